@@ -1,0 +1,106 @@
+"""The stage CLI: ``rlhf stage NAME`` (also ``python -m rlhf_core.cli stage NAME`` under torchrun).
+
+This module is Prefect-free so a training process starts fast; the full
+``rlhf`` command (``flows.cli``) adds the orchestration verbs to this app.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
+
+# stage name -> "module:function" taking (params, root, log)
+STAGES: dict[str, str] = {
+    "prepare": "rlhf_core.stages.prepare:run",
+}
+
+app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+params_app = typer.Typer(help="Inspect and validate params.yaml.", no_args_is_help=True)
+app.add_typer(params_app, name="params")
+console = Console(stderr=True)
+
+SET_HELP = "Override a param, e.g. -S data.max_prompt_len=128 (repeatable; value parsed as YAML)."
+
+
+def _fail(message: str, code: int = 2) -> None:
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def resolve_stage(name: str):
+    if name not in STAGES:
+        _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    module, func = STAGES[name].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def console_log(metrics: dict, step: int) -> None:
+    """Default ``log(metrics, step)``: one JSON line on stderr."""
+    console.print(json.dumps({"step": step, **metrics}, default=float), highlight=False, markup=False)
+
+
+@app.command("stage")
+def stage_cmd(
+    name: str = typer.Argument(..., help="Stage to run: prepare | sft | rm | rlhf | evaluate."),
+    set_: list[str] = typer.Option([], "--set", "-S", help=SET_HELP),
+    params_file: Path = typer.Option(DEFAULT_PARAMS, "--params", "-p", help="Params file (a profile)."),
+) -> None:
+    """Run one pipeline stage in this process.
+
+    Example: rlhf stage prepare -S data.max_prompt_len=64
+    """
+    fn = resolve_stage(name)
+    try:
+        params = load_params(params_file, set_)
+    except ConfigError as err:
+        _fail(str(err))
+    from rlhf_core.data.readers import DataError
+
+    try:
+        result = fn(params, Path("."), console_log)
+    except (DataError, ConfigError, ValueError) as err:
+        _fail(f"stage {name}: {err}", code=1)
+    if isinstance(result, dict) and "counts" in result:
+        console.print(f"[green]{name} done[/green]: {json.dumps(result['counts'])}", highlight=False)
+
+
+@params_app.command("check")
+def params_check(
+    set_: list[str] = typer.Option([], "--set", "-S", help=SET_HELP),
+    params_file: Path = typer.Option(DEFAULT_PARAMS, "--params", "-p", help="Params file (a profile)."),
+) -> None:
+    """Validate a params file (and overrides); print the effective config as YAML.
+
+    Example: rlhf params check -p configs/gpu.yaml
+    """
+    import yaml
+
+    try:
+        params = load_params(params_file, set_)
+    except ConfigError as err:
+        _fail(str(err))
+    sys.stdout.write(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+
+
+@params_app.command("docs")
+def params_docs() -> None:
+    """Print the params reference (Markdown) generated from the pydantic models."""
+    from rlhf_core.params_doc import render_params_reference
+
+    sys.stdout.write(render_params_reference())
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

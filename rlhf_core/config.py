@@ -1,0 +1,327 @@
+"""Validated configuration: ``params.yaml`` is the single source of truth.
+
+Every section is a pydantic model with ``extra="forbid"``, so an unknown key,
+a wrong type or an out-of-range value fails with an error that names the key
+path (``sft.lr: Input should be greater than 0``).  ``-S key.path=value``
+overrides mirror ``dvc exp run -S``: the value is parsed as YAML.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_PARAMS = "params.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and key path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- project
+class ProjectConfig(_Section):
+    name: str = Field("rlhf-demo", description="Project name; MLflow experiment and registry prefix default to it.")
+    seed: int = Field(1234, ge=0, description="Global seed: data splits, init, sampling.")
+    workspace: str = Field(".rlhf", description="Ignored state folder: MLflow DB, DVC remote, Prefect home.")
+
+
+# --------------------------------------------------------------------------- data
+class DemoDataConfig(_Section):
+    n_rows: int = Field(6000, ge=10, description="Synthetic rows generated before the phase split.")
+    max_operand: int = Field(20, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
+    ops: list[Literal["+", "-"]] = Field(default_factory=lambda: ["+", "-"], min_length=1,
+                                         description="Arithmetic operators used by the demo task.")
+    wrong_share: float = Field(0.3, ge=0.0, lt=1.0,
+                               description="Share of SFT demonstrations that carry a wrong answer.")
+
+
+class ColumnMap(_Section):
+    prompt: str = Field("prompt", description="Source column holding the prompt.")
+    response: str = Field("response", description="Source column holding the SFT response.")
+    chosen: str = Field("chosen", description="Source column holding the preferred response.")
+    rejected: str = Field("rejected", description="Source column holding the dispreferred response.")
+    messages: str = Field("messages", description="Source column holding a chat `messages` list.")
+    answer: str = Field("answer", description="Source column holding a ground-truth answer (optional).")
+
+
+class SourceConfig(_Section):
+    """One data source: a local file or a Hugging Face dataset."""
+
+    path: str | None = Field(None, description="Local JSONL/JSON/Parquet/CSV file.")
+    hf_id: str | None = Field(None, description="Hugging Face dataset id or local dataset directory.")
+    hf_split: str = Field("train", description="Split to load from `hf_id`.")
+    hf_config: str | None = Field(None, description="Dataset configuration name for `hf_id`.")
+    format: Literal["auto", "prompt_response", "pairwise", "prompt", "messages", "hh"] = Field(
+        "auto", description="Row format; `auto` detects it from the columns present.")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> SourceConfig:
+        if (self.path is None) == (self.hf_id is None):
+            raise ValueError("give exactly one of `path` or `hf_id`")
+        return self
+
+
+class PhaseFiles(_Section):
+    sft: SourceConfig | None = None
+    pairs: SourceConfig | None = None
+    prompts: SourceConfig | None = None
+
+
+class DataConfig(_Section):
+    source: Literal["demo", "mixed", "per_phase"] = Field(
+        "demo", description="`demo`: built-in generator; `mixed`: `sources` split by `data_split`; "
+                            "`per_phase`: explicit `files` for each phase.")
+    demo: DemoDataConfig = Field(default_factory=DemoDataConfig)
+    sources: list[SourceConfig] = Field(default_factory=list, description="Sources for `source: mixed`.")
+    files: PhaseFiles = Field(default_factory=PhaseFiles, description="Sources for `source: per_phase`.")
+    columns: ColumnMap = Field(default_factory=ColumnMap)
+    data_split: list[float] = Field(default_factory=lambda: [2.0, 4.0, 4.0], min_length=3, max_length=3,
+                                    description="DeepSpeed-Chat shares for SFT / RM / RL (normalised).")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held-out share of every phase.")
+    max_prompt_len: int = Field(48, ge=1, description="Prompt token limit.")
+    max_response_len: int = Field(16, ge=1, description="Response token limit (longer rows are dropped).")
+    truncation: Literal["left", "drop"] = Field(
+        "left", description="Over-long prompts: keep their last tokens (`left`) or drop the row.")
+    on_malformed: Literal["error", "drop"] = Field(
+        "error", description="Malformed lines (bad JSON, non-UTF-8): fail naming file:line, or drop and count.")
+    dedupe: bool = Field(True, description="Drop exact duplicate rows within a phase (counted).")
+
+    @field_validator("data_split")
+    @classmethod
+    def _split_positive(cls, v: list[float]) -> list[float]:
+        if any(x < 0 for x in v) or sum(v) <= 0:
+            raise ValueError("shares must be >= 0 with a positive sum")
+        return v
+
+
+# --------------------------------------------------------------------------- model
+class TinyModelConfig(_Section):
+    """Llama-style config for the offline demo model (a few million parameters)."""
+
+    vocab_size: int = Field(256, ge=32, description="Target vocab size of the locally trained tokenizer.")
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(352, ge=8)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(4, ge=1)
+    max_position_embeddings: int = Field(128, ge=16)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class ModelConfig(_Section):
+    name_or_path: str | None = Field(
+        None, description="HF model id or local path; null builds the tiny demo model offline.")
+    tokenizer: str | None = Field(None, description="Tokenizer id or path; defaults to `name_or_path`.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off by default).")
+    chat_template: bool = Field(False, description="Render plain prompts with the tokenizer's chat template.")
+
+
+# --------------------------------------------------------------------------- compute
+class LoraConfig(_Section):
+    enabled: bool = False
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    only_optimize_lora: bool = True
+    merge_on_save: bool = True
+
+
+class ComputeConfig(_Section):
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    offload: Literal["none", "cpu"] = Field("none", description="ZeRO optimizer/param offload target.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="`auto`: bf16 on GPUs that support it, fp32 on CPU.")
+    gradient_checkpointing: bool = False
+    grad_clip: float = Field(1.0, gt=0.0)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 leaves torch's default.")
+
+
+# --------------------------------------------------------------------------- stages
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    epochs: int = Field(1, ge=1)
+    max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 means all epochs.")
+    micro_batch_size: int = Field(32, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    save_every: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
+    log_every: int = Field(10, ge=1)
+
+
+class SFTConfig(OptimConfig):
+    loss_on_prompt: bool = Field(False, description="Train on prompt tokens too (DeepSpeed-Chat style).")
+    packing: bool = Field(False, description="Pack short examples into full-length rows.")
+    epochs: int = Field(8, ge=1)
+
+
+class RMConfig(OptimConfig):
+    init_from: Literal["sft", "base"] = Field("sft", description="Initialise the backbone from SFT or base.")
+    margin: float = Field(0.0, ge=0.0, description="Margin m in -log sigmoid(r_c - r_r - m).")
+    loss: Literal["sequence", "divergence"] = Field(
+        "sequence", description="`divergence`: DeepSpeed-Chat's per-token loss after the first divergence.")
+    lr: float = Field(5e-4, gt=0.0)
+    epochs: int = Field(2, ge=1)
+
+
+class PPOConfig(_Section):
+    clip_eps: float = Field(0.2, gt=0.0)
+    value_clip_eps: float = Field(0.2, gt=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    critic_lr: float = Field(5e-4, gt=0.0)
+    vf_coef: float = Field(1.0, ge=0.0)
+    kl_in: Literal["reward", "loss"] = "reward"
+    advantage_estimator: Literal["gae", "rloo", "reinforce_pp"] = "gae"
+
+
+class GRPOConfig(_Section):
+    group_size: int = Field(4, ge=2)
+    beta: float = Field(0.04, ge=0.0)
+    scale: Literal["group", "none"] = "group"
+
+
+class RLHFConfig(OptimConfig):
+    algorithm: Literal["ppo", "grpo"] = "ppo"
+    lr: float = Field(2e-4, gt=0.0)
+    prompts_per_step: int = Field(32, ge=1, description="Prompts generated per rollout step.")
+    ppo_epochs: int = Field(1, ge=1)
+    num_steps: int = Field(30, ge=1, description="Rollout/train iterations.")
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(8, ge=1)
+    kl_coef: float = Field(0.05, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    kl_target: float = Field(6.0, gt=0.0)
+    kl_horizon: int = Field(10000, ge=1)
+    reward_clip: float | None = Field(5.0, gt=0.0)
+    whiten_advantages: bool = True
+    entropy_coef: float = Field(0.0, ge=0.0)
+    ptx_coef: float = Field(0.0, ge=0.0)
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
+    no_eos_penalty: float | None = Field(None, description="Score assigned to responses without EOS.")
+    reward_fns: dict[str, float] = Field(default_factory=lambda: {"exact_answer": 1.0},
+                                         description="Reward sources by name with weights; `rm` is the RM.")
+    rm_tokenizer_mismatch: Literal["retokenize", "error"] = "retokenize"
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+
+
+class EvalConfig(_Section):
+    max_prompts: int = Field(200, ge=1)
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
+    batch_size: int = Field(64, ge=1)
+
+
+class GatesConfig(_Section):
+    min_reward_gain: float = Field(0.0, description="Candidate mean reward minus reference mean reward.")
+    min_win_rate_vs_champion: float = Field(0.5, ge=0.0, le=1.0)
+    max_kl: float = Field(5.0, gt=0.0)
+    min_accuracy: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class TrackingConfig(_Section):
+    experiment: str | None = Field(None, description="MLflow experiment; defaults to `project.name`.")
+    registry_prefix: str | None = Field(None, description="Registered model prefix; defaults to `project.name`.")
+    system_metrics: bool = True
+
+
+class Params(_Section):
+    project: ProjectConfig = Field(default_factory=ProjectConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    rm: RMConfig = Field(default_factory=RMConfig)
+    rlhf: RLHFConfig = Field(default_factory=RLHFConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    gates: GatesConfig = Field(default_factory=GatesConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    def section_hash(self, *sections: str) -> str:
+        """sha256 (first 16 hex) of the named sections, or of everything when none are named."""
+        dump = self.model_dump(mode="json")
+        if sections:
+            dump = {k: dump[k] for k in sections}
+        return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- loading
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b.c=value"`` -> (["a", "b", "c"], yaml-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY.PATH=VALUE")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {text!r}: empty key")
+    return path, yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set each ``key.path=value`` into a nested dict (creating levels as needed)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {loc}: {msg}")
+    return f"invalid configuration in {origin}:\n" + "\n".join(lines)
+
+
+def validate(raw: dict, origin: str = "<params>") -> Params:
+    try:
+        return Params.model_validate(raw or {})
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, origin)) from None
+
+
+def load_params(path: str | Path = DEFAULT_PARAMS, overrides: list[str] | None = None) -> Params:
+    """Read ``path`` (missing file = all defaults), apply ``-S`` overrides, validate."""
+    path = Path(path)
+    raw: dict = {}
+    if path.exists():
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    raw = apply_overrides(raw, list(overrides or []))
+    return validate(raw, origin=str(path))

@@ -1,0 +1,83 @@
+"""``rlhf_meta.json``: what produced an output directory (stage, params hash, inputs, git sha, versions)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+META_FILE = "rlhf_meta.json"
+_PACKAGES = ("rlhf-ops", "torch", "transformers", "deepspeed", "datasets", "peft", "tokenizers")
+
+
+def git_sha(cwd: str | Path = ".") -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for name in _PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_sha256(path: str | Path) -> str:
+    """Content hash of a directory: sha256 over sorted (relative path, file sha256), skipping ``rlhf_meta.json``."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.name != META_FILE):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def write_json_atomic(path: str | Path, data: dict) -> None:
+    """Write JSON through a temp file + rename so a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def build_meta(stage: str, params_hash: str, inputs: dict[str, str] | None = None, **extra) -> dict:
+    return {
+        "stage": stage,
+        "params_hash": params_hash,
+        "inputs": inputs or {},
+        "git_sha": git_sha(),
+        "versions": versions(),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+
+
+def write_meta(out_dir: str | Path, meta: dict) -> None:
+    write_json_atomic(Path(out_dir) / META_FILE, meta)
+
+
+def read_meta(out_dir: str | Path) -> dict:
+    path = Path(out_dir) / META_FILE
+    return json.loads(path.read_text()) if path.exists() else {}

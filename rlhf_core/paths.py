@@ -1,0 +1,30 @@
+"""Where each stage reads and writes, relative to the repository (DVC) root.
+
+These paths are the contract between stages, ``dvc.yaml``, the Kubernetes Jobs
+and the flows; change them here and in ``dvc.yaml`` together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PREPARED = Path("data/prepared")
+MANIFEST = PREPARED / "manifest.json"
+BASE_MODEL = Path("models/base")  # tokenizer (+ tiny config for the demo) written by prepare
+SFT_MODEL = Path("models/sft")
+RM_MODEL = Path("models/rm")
+ACTOR_MODEL = Path("models/actor")
+CRITIC_MODEL = Path("models/critic")
+CHECKPOINTS = Path("checkpoints")  # resumable training state per stage
+METRICS = Path("metrics")  # per-stage metrics JSON (DVC metrics, not cached)
+PLOTS = Path("plots")  # per-stage training curves (DVC plots)
+REPORTS = Path("reports")
+
+PHASES = ("sft", "pairs", "prompts")
+
+
+def prepared_file(phase: str, eval_split: bool = False) -> Path:
+    """``data/prepared/sft.parquet`` or ``data/prepared/eval_sft.parquet``."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+    return PREPARED / f"{'eval_' if eval_split else ''}{phase}.parquet"

@@ -1,0 +1,73 @@
+"""The demo task: small integer arithmetic with an exact checker.
+
+A prompt asks ``What is 7 + 5?`` in the DeepSpeed-Chat ``Human: ... Assistant:``
+form; the reference answer is the integer result.  SFT demonstrations are of
+deliberately mixed quality (``wrong_share`` of them carry a plausible wrong
+answer) so a reward model and RL have headroom above SFT; preference pairs
+contrast the correct answer with a plausible wrong one.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+_ANSWER_RE = re.compile(r"\s*(-?\d+)\s*")
+
+
+def render_prompt(question: str) -> str:
+    """DeepSpeed-Chat style prompt: ``Human: {question}\\n\\nAssistant:``."""
+    return f"Human: {question}\n\nAssistant:"
+
+
+def render_answer(value: int | str) -> str:
+    """The response text for an answer: a leading space, then the integer."""
+    return f" {value}"
+
+
+def parse_answer(completion: str) -> int | None:
+    """The integer a completion states, or None unless it is exactly one integer (surrounding space allowed)."""
+    m = _ANSWER_RE.fullmatch(completion)
+    return int(m.group(1)) if m else None
+
+
+def check_answer(completion: str, answer: int | str | None) -> bool:
+    """Exact checker: True iff the completion is exactly the reference integer.
+
+    ``" 12"`` and ``"12\\n"`` pass for answer 12; ``" 12 13"``, ``" twelve"``,
+    ``" 012"`` (a different literal) and ``""`` do not.
+    """
+    if answer is None:
+        return False
+    m = _ANSWER_RE.fullmatch(completion)
+    return bool(m) and m.group(1) == str(int(answer))
+
+
+def _wrong_answer(rng: random.Random, correct: int) -> int:
+    """A plausible wrong answer: off by 1-3, or off by ten (a carry slip)."""
+    offsets = [-3, -2, -1, 1, 2, 3, 10, -10]
+    candidate = correct + rng.choice(offsets)
+    return candidate if candidate >= 0 else correct + rng.choice([1, 2, 3])
+
+
+def generate(n_rows: int, max_operand: int, ops: list[str], wrong_share: float, seed: int) -> list[dict]:
+    """Deterministic rows with every canonical field: prompt, response, chosen, rejected, answer."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n_rows):
+        op = rng.choice(ops)
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        if op == "-" and b > a:
+            a, b = b, a
+        correct = a + b if op == "+" else a - b
+        wrong = _wrong_answer(rng, correct)
+        demo = wrong if rng.random() < wrong_share else correct
+        rows.append({
+            "id": f"demo-{i}",
+            "prompt": render_prompt(f"What is {a} {op} {b}?"),
+            "response": render_answer(demo),
+            "chosen": render_answer(correct),
+            "rejected": render_answer(wrong),
+            "answer": str(correct),
+        })
+    return rows

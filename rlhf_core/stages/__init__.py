@@ -1,0 +1,1 @@
+"""Stage entry points: one function per ``rlhf stage NAME``; each reads params, writes its outputs."""

@@ -1,0 +1,64 @@
+"""The params reference cannot drift from the models; the stage CLI validates and overrides."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rlhf_core.params_doc import render_params_reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_params_reference_is_current():
+    assert (REPO / "docs" / "params.md").read_text() == render_params_reference(), (
+        "docs/params.md is stale: run `rlhf params docs > docs/params.md`")
+
+
+def test_params_reference_lists_every_leaf_key():
+    import yaml
+
+    doc = render_params_reference()
+    defaults = yaml.safe_load((REPO / "params.yaml").read_text())
+
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and v and k not in ("reward_fns",):
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
+    missing = [k for k in leaves(defaults) if f"`{k}`" not in doc]
+    assert not missing, f"params.md lacks {missing}"
+
+
+def _rlhf(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+
+
+def test_stage_cli_applies_overrides(tmp_path):
+    proc = _rlhf("stage", "prepare", "-S", "data.demo.n_rows=300", "-S", "data.data_split=[1,1,1]", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((tmp_path / "metrics/prepare.json").read_text())
+    assert sum(metrics["counts"].values()) + json.loads(
+        (tmp_path / "data/prepared/manifest.json").read_text())["dropped_total"] == 300
+
+
+def test_stage_cli_errors_name_the_key(tmp_path):
+    proc = _rlhf("stage", "prepare", "-S", "data.max_prompt_len=-1", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "data.max_prompt_len: Input should be greater than or equal to 1" in proc.stderr
+    proc = _rlhf("stage", "nope", cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown stage 'nope'" in proc.stderr
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x"\n')
+    proc = _rlhf("stage", "prepare", "-S", "data.source=mixed", "-S", "data.sources=[{path: bad.jsonl}]",
+                 cwd=tmp_path)
+    assert proc.returncode == 1 and "bad.jsonl:1: malformed JSON" in proc.stderr
+
+
+def test_help_has_examples(tmp_path):
+    proc = _rlhf("stage", "--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "Example: rlhf stage prepare" in proc.stdout
