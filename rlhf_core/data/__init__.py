@@ -1,0 +1,1 @@
+"""Data: readers, normalisation to the canonical schema, splits, tokenizers, collation."""
