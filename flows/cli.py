@@ -1,33 +1,177 @@
 """The ``rlhf`` console script: the stage CLI plus the orchestration verbs.
 
 ``rlhf stage NAME`` comes from :mod:`rlhf_core.cli` (Prefect-free); this module
-adds ``run`` and the other pipeline-level commands.
+adds ``run``, ``register``, ``promote``, ``rollback`` and ``deploy``.
+
+Exit codes: 0 done (also when the gate rejected the candidate, unless
+``--strict-gate``), 1 a stage or task failed, 2 bad usage or config,
+3 MLflow unreachable, 4 gate rejected with ``--strict-gate``.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
+from rich.table import Table
 
-from rlhf_core.cli import SET_HELP, app, console
-from rlhf_core.config import DEFAULT_PARAMS
+from rlhf_core.cli import SET_HELP, _fail, app, console
+from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
+
+STAGES_HELP = "Stages to run (repeatable); default: every stage in dvc.yaml."
+
+
+def _prepare_environment(params_file: Path):
+    from flows.local_pipeline import embedded_environment, ensure_dvc
+
+    try:
+        params = load_params(params_file)
+    except ConfigError as err:
+        _fail(str(err))
+    embedded_environment(Path("."), params.project.workspace)
+    return params, ensure_dvc
+
+
+def print_summary(summary: dict) -> None:
+    table = Table(title="rlhf-ops pipeline")
+    for col in ("stage", "status", "seconds", "key metrics"):
+        table.add_column(col)
+    for r in summary["stages"]:
+        flat = {k: v for k, v in r.get("metrics", {}).items() if isinstance(v, int | float)}
+        table.add_row(r["stage"], r["status"], str(r["seconds"]),
+                      ", ".join(f"{k}={v:.4g}" for k, v in list(flat.items())[:6]))
+    console.print(table)
+    for kind, reg in summary.get("registered", {}).items():
+        console.print(f"registered {kind}: {reg['name']} v{reg['version']}"
+                      f"{'' if reg['new'] else ' (unchanged, already registered)'}")
+    gate = summary.get("gate")
+    if gate is not None:
+        failing = [f"{c['name']}={c['value']}" for c in gate["checks"] if not c["passed"]]
+        verdict = "[green]PASSED[/green]" if gate["passed"] else f"[red]FAILED[/red] ({', '.join(failing)})"
+        console.print(f"gate: {verdict}; promoted: {summary['promoted']}; champion: v{summary.get('champion')}")
+    uri = summary.get("tracking_uri", "")
+    console.print(f"MLflow UI: mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite")
+                  else f"MLflow UI: {uri}")
 
 
 @app.command("run")
 def run_cmd(
-    set_: list[str] = typer.Option([], "--set", "-S", help=SET_HELP),
-    params_file: Path = typer.Option(DEFAULT_PARAMS, "--params", "-p", help="Params file (a profile)."),
+    set_: list[str] = typer.Option([], "--set", "-S", help=SET_HELP + " Written to params.yaml, like dvc exp run."),
+    stages: list[str] = typer.Option([], "--stage", help=STAGES_HELP),
+    backend: str = typer.Option("local", help="local (dvc repro) or kubernetes (one Job per stage)."),
+    promote: bool = typer.Option(True, "--promote/--no-promote", help="Move `champion` when the gate passes."),
     force: bool = typer.Option(False, "--force", help="Re-run stages even when DVC finds them up to date."),
+    strict_gate: bool = typer.Option(False, "--strict-gate", help="Exit 4 when the gate rejects the candidate."),
 ) -> None:
-    """Run the whole pipeline on the embedded default (offline, no servers).
+    """Run the whole pipeline as a Prefect flow (embedded default: offline, no servers).
 
-    Example: rlhf run -S sft.epochs=2
+    Example: rlhf run -S sft.epochs=2 --stage prepare --stage sft
     """
-    from flows.local_pipeline import run_local_pipeline
+    params, ensure_dvc = _prepare_environment(Path(DEFAULT_PARAMS))
+    if backend == "local":
+        ensure_dvc(Path("."), params.project.workspace)
+    from flows.pipeline import rlhf_pipeline
+    from rlhf_core.tracking import TrackingUnavailable
 
-    code = run_local_pipeline(params_file=params_file, overrides=set_, force=force, console=console)
-    raise typer.Exit(code)
+    try:
+        summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend, promote=promote,
+                                force=force)
+    except TrackingUnavailable as err:
+        _fail(str(err), code=3)
+    except ConfigError as err:
+        _fail(str(err))
+    except Exception as err:  # a failed stage or task: Prefect has logged the details
+        _fail(f"pipeline failed: {err}", code=1)
+    print_summary(summary)
+    if strict_gate and summary.get("gate") and not summary["gate"]["passed"]:
+        raise typer.Exit(4)
+
+
+@app.command("register")
+def register_cmd(
+    kinds: list[str] = typer.Option(["reward", "critic", "actor"], "--kind", help="actor | critic | reward."),
+) -> None:
+    """Register the trained models in the workspace (e.g. after an MLflow outage); skips what is registered.
+
+    Example: rlhf register --kind actor
+    """
+    params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
+    from flows.pipeline import MODEL_DIRS
+    from rlhf_core import tracking
+    from tasks.registry import model_lineage, register_model_dir
+
+    try:
+        tracking.setup(params)
+    except tracking.TrackingUnavailable as err:
+        _fail(str(err), code=3)
+    prefix = tracking.registry_prefix(params)
+    lineage = tracking.lineage_tags(params, "register")
+    for kind in kinds:
+        if kind not in MODEL_DIRS:
+            _fail(f"unknown kind {kind!r}; expected actor, critic or reward")
+        if not MODEL_DIRS[kind].is_dir():
+            console.print(f"skip {kind}: {MODEL_DIRS[kind]} does not exist")
+            continue
+        reg = register_model_dir(kind, MODEL_DIRS[kind], f"{prefix}-{kind}", model_lineage(MODEL_DIRS[kind], lineage))
+        console.print(f"{kind}: {reg.name} v{reg.version} ({'new' if reg.new else 'already registered'})")
+
+
+@app.command("promote")
+def promote_cmd(
+    version: str = typer.Argument(..., help="Version of <prefix>-actor to make champion."),
+    reason: str = typer.Option("manual promotion", help="Recorded in the version's tags."),
+    kind: str = typer.Option("actor", help="Registered model kind: actor | critic | reward."),
+) -> None:
+    """Move the `champion` alias to VERSION by hand (recorded in tags).
+
+    Example: rlhf promote 3 --reason "approved after review"
+    """
+    params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
+    from rlhf_core import tracking
+    from tasks.registry import promote
+
+    tracking.setup(params)
+    name = f"{tracking.registry_prefix(params)}-{kind}"
+    previous = promote(name, version, reason, by="manual")
+    console.print(f"{name}: champion v{previous or '-'} -> v{version}")
+
+
+@app.command("rollback")
+def rollback_cmd(
+    reason: str = typer.Option("manual rollback", help="Recorded in the version's tags."),
+    kind: str = typer.Option("actor", help="Registered model kind: actor | critic | reward."),
+) -> None:
+    """Move `champion` back to the version the current champion replaced.
+
+    Example: rlhf rollback --reason "regression reported"
+    """
+    params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
+    from rlhf_core import tracking
+    from tasks.registry import rollback
+
+    tracking.setup(params)
+    name = f"{tracking.registry_prefix(params)}-{kind}"
+    try:
+        current, previous = rollback(name, reason)
+    except ValueError as err:
+        _fail(str(err), code=1)
+    console.print(f"{name}: champion v{current} -> v{previous}")
+
+
+@app.command("deploy")
+def deploy_cmd(
+    name: list[str] = typer.Option([], "--name", help="Deployment name(s) from prefect.yaml; default all."),
+) -> None:
+    """Create the deployments in prefect.yaml (`prefect deploy --all`) against PREFECT_API_URL.
+
+    Example: PREFECT_API_URL=http://127.0.0.1:4200/api rlhf deploy --name rlhf-nightly
+    """
+    import subprocess
+
+    args = [a for n in name for a in ("--name", n)] or ["--all"]
+    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", *args])
+    raise typer.Exit(proc.returncode)
 
 
 def main() -> None:
@@ -36,3 +180,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+

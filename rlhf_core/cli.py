@@ -62,10 +62,19 @@ def stage_cmd(
         params = load_params(params_file, set_)
     except ConfigError as err:
         _fail(str(err))
+    from rlhf_core import tracking
     from rlhf_core.data.readers import DataError
 
     try:
-        result = fn(params, Path("."), console_log)
+        with tracking.stage_run(name, params, Path(".")) as mlflow_log:
+
+            def log(metrics: dict, step: int) -> None:
+                console_log(metrics, step)
+                mlflow_log(metrics, step)
+
+            result = fn(params, Path("."), log)
+    except tracking.TrackingUnavailable as err:
+        _fail(str(err), code=3)
     except (DataError, ConfigError, ValueError) as err:
         _fail(f"stage {name}: {err}", code=1)
     if isinstance(result, dict) and "counts" in result:

@@ -1,0 +1,116 @@
+"""The pipeline flow: stages (through DVC or as Kubernetes Jobs) -> register -> gate -> promote.
+
+MLflow: one parent run per flow run; every stage logs a child run under it
+(``RLHF_PARENT_RUN_ID``).  A gate failure is a decided outcome: the flow run
+completes, the summary says ``promoted: false`` with the failing gates, and
+the champion stays where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run
+
+from rlhf_core import paths, tracking
+from rlhf_core.config import DEFAULT_PARAMS, load_params
+from tasks.gates import evaluation_gate
+from tasks.registry import CHAMPION, alias_version, promote_task, record_gate, register_models
+from tasks.stages import STAGE_ORDER, run_stage
+
+EVAL_REPORT = paths.REPORTS / "eval.json"
+MODEL_DIRS = {"actor": paths.ACTOR_MODEL, "critic": paths.CRITIC_MODEL, "reward": paths.RM_MODEL}
+
+
+def pipeline_stages(root: Path) -> list[str]:
+    """The stages ``dvc.yaml`` defines, in pipeline order."""
+    defined = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
+    return [s for s in STAGE_ORDER if s in defined]
+
+
+def _run_name() -> str:
+    return f"pipeline-{flow_run.get_name() or 'local'}"
+
+
+def _metric_rows(results: list[dict]) -> list[dict]:
+    rows = []
+    for r in results:
+        flat = tracking.flatten(r.get("metrics", {}))
+        keys = sorted(k for k in flat if not k.startswith("counts."))[:12]
+        rows.append({"stage": r["stage"], "status": r["status"], "seconds": r["seconds"],
+                     "metrics": ", ".join(f"{k}={flat[k]}" for k in keys)})
+    return rows
+
+
+@flow(name="rlhf-pipeline", flow_run_name="rlhf-{backend}", log_prints=True)
+def rlhf_pipeline(
+    stages: list[str] | None = None,
+    overrides: list[str] | None = None,
+    backend: Literal["local", "kubernetes"] = "local",
+    promote: bool = True,
+    force: bool = False,
+    root: str = ".",
+    params_file: str = DEFAULT_PARAMS,
+) -> dict:
+    """Run the RLHF pipeline and return a summary dict (stages, registered versions, gate, promoted)."""
+    import mlflow
+
+    logger = get_run_logger()
+    root_path = Path(root).resolve()
+    if overrides:
+        from flows.params_file import set_params
+
+        set_params(root_path / params_file, overrides)
+    params = load_params(root_path / params_file)
+    experiment_id = tracking.setup(params, root_path)  # fails fast when MLflow is unreachable
+    prefix = tracking.registry_prefix(params)
+    wanted = [s for s in (stages or pipeline_stages(root_path))]
+    unknown = sorted(set(wanted) - set(STAGE_ORDER))
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; expected a subset of {list(STAGE_ORDER)}")
+
+    summary: dict = {"stages": [], "registered": {}, "gate": None, "promoted": False,
+                     "tracking_uri": mlflow.get_tracking_uri(), "experiment_id": experiment_id}
+    with mlflow.start_run(experiment_id=experiment_id, run_name=_run_name(),
+                          tags=tracking.lineage_tags(params, "pipeline", root_path)) as parent:
+        summary["parent_run_id"] = parent.info.run_id
+        env = {tracking.ENV_PARENT: parent.info.run_id, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri(),
+               tracking.ENV_TRACKING: "on"}
+        champion = alias_version(f"{prefix}-actor", CHAMPION)
+        if champion:
+            env["RLHF_CHAMPION_URI"] = f"models:/{prefix}-actor/{champion}"
+        for stage in STAGE_ORDER:
+            if stage in wanted:
+                summary["stages"].append(run_stage(stage, root=str(root_path), backend=backend, env=env, force=force))
+        create_table_artifact(_metric_rows(summary["stages"]), key="stage-metrics",
+                              description="Per-stage status, wall time and metrics")
+
+        kinds = [k for k in ("reward", "critic", "actor") if (root_path / MODEL_DIRS[k]).is_dir()]
+        if kinds:
+            lineage = tracking.lineage_tags(params, "register", root_path)
+            lineage["rlhf.pipeline_run_id"] = parent.info.run_id
+            summary["registered"] = register_models(kinds, {k: str(root_path / MODEL_DIRS[k]) for k in kinds},
+                                                    prefix, lineage)
+        actor = summary["registered"].get("actor")
+        report_path = root_path / EVAL_REPORT
+        if actor and report_path.exists():
+            report = json.loads(report_path.read_text())
+            gate = evaluation_gate(report, params.gates.model_dump())
+            summary["gate"] = gate
+            record_gate(actor["name"], actor["version"], gate)
+            mlflow.log_dict(gate, "gate.json")
+            current = alias_version(actor["name"], CHAMPION)
+            if promote and gate["passed"] and current != actor["version"]:
+                promote_task(actor["name"], actor["version"], reason="passed evaluation gate")
+                summary["promoted"] = True
+            elif gate["passed"] and current == actor["version"]:
+                logger.info("%s v%s is already the champion", actor["name"], actor["version"])
+            summary["champion"] = alias_version(actor["name"], CHAMPION)
+    os.environ.pop(tracking.ENV_PARENT, None)
+    return summary

@@ -1,0 +1,110 @@
+"""The evaluation gate: decide from ``reports/eval.json`` and ``params.gates`` whether to promote.
+
+A failed gate is a decided outcome, not a crash: the task completes and
+returns ``GateResult(passed=False, ...)``; the flow records it and leaves the
+champion in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from prefect import task
+
+from rlhf_core.config import GatesConfig
+
+
+@dataclass
+class GateCheck:
+    name: str
+    value: float | None
+    threshold: float | None
+    op: str  # ">=" or "<=" or "finite"
+    passed: bool
+    note: str = ""
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    checks: list[GateCheck] = field(default_factory=list)
+
+    @property
+    def failing(self) -> list[GateCheck]:
+        return [c for c in self.checks if not c.passed]
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "checks": [asdict(c) for c in self.checks]}
+
+
+def _numbers(d, prefix=""):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _numbers(v, f"{prefix}{k}.")
+    elif isinstance(d, int | float) and not isinstance(d, bool):
+        yield prefix.rstrip("."), float(d)
+
+
+def decide(report: dict, gates: GatesConfig) -> GateResult:
+    """Apply every gate to an eval report (see ``docs/operations.md`` for the report schema)."""
+    cand, ref = report["candidate"], report["reference"]
+    checks = []
+    bad = [k for k, v in _numbers(report) if not math.isfinite(v)]
+    checks.append(GateCheck("no_nan", float(len(bad)), 0.0, "finite", not bad, ", ".join(bad)))
+    gain = cand["reward_mean"] - ref["reward_mean"]
+    checks.append(GateCheck("reward_gain_vs_reference", gain, gates.min_reward_gain, ">=",
+                            gain >= gates.min_reward_gain))
+    win = report.get("win_rate_vs_champion")
+    if win is None:
+        checks.append(GateCheck("win_rate_vs_champion", None, gates.min_win_rate_vs_champion, ">=", True,
+                                "no champion yet"))
+    else:
+        checks.append(GateCheck("win_rate_vs_champion", win, gates.min_win_rate_vs_champion, ">=",
+                                win >= gates.min_win_rate_vs_champion))
+    kl = cand["kl_to_reference"]
+    checks.append(GateCheck("kl_to_reference", kl, gates.max_kl, "<=", kl <= gates.max_kl))
+    acc = cand.get("accuracy")
+    if acc is None:
+        checks.append(GateCheck("accuracy", None, gates.min_accuracy, ">=", True, "task has no checker"))
+    else:
+        checks.append(GateCheck("accuracy", acc, gates.min_accuracy, ">=", acc >= gates.min_accuracy))
+    return GateResult(passed=all(c.passed for c in checks), checks=checks)
+
+
+def _fmt(x) -> str:
+    return "—" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def render_report(report: dict, result: GateResult, plots: dict[str, str] | None = None) -> str:
+    """The markdown gate report: candidate vs reference vs champion, then pass/fail per gate."""
+    rows = ["reward_mean", "accuracy", "kl_to_reference", "response_length", "eos_share"]
+    champ = report.get("champion") or {}
+    lines = [f"# Gate report: {'PASSED' if result.passed else 'FAILED'}", "",
+             f"Candidate `{report.get('candidate_label', 'candidate')}` on {report.get('n_prompts', '?')} held-out "
+             f"prompts; champion: {report.get('champion_label') or 'none'}.", "",
+             "| metric | candidate | reference (SFT) | champion |", "|---|---|---|---|"]
+    for key in rows:
+        lines.append(f"| {key} | {_fmt(report['candidate'].get(key))} | {_fmt(report['reference'].get(key))} | "
+                     f"{_fmt(champ.get(key))} |")
+    lines += [f"| win_rate_vs_reference | {_fmt(report.get('win_rate_vs_reference'))} | | |",
+              f"| win_rate_vs_champion | {_fmt(report.get('win_rate_vs_champion'))} | | |", "",
+              "| gate | value | threshold | result |", "|---|---|---|---|"]
+    for c in result.checks:
+        mark = "pass" if c.passed else "**FAIL**"
+        note = f" ({c.note})" if c.note else ""
+        lines.append(f"| {c.name} | {_fmt(c.value)} | {c.op} {_fmt(c.threshold)} | {mark}{note} |")
+    for name, url in (plots or {}).items():
+        lines.append(f"\n[{name}]({url})")
+    return "\n".join(lines) + "\n"
+
+
+@task(name="evaluation-gate", task_run_name="gate")
+def evaluation_gate(report: dict, gates: dict) -> dict:
+    """Prefect task wrapper: returns ``GateResult.to_dict()`` and publishes the markdown report artifact."""
+    from prefect.artifacts import create_markdown_artifact
+
+    result = decide(report, GatesConfig.model_validate(gates))
+    create_markdown_artifact(render_report(report, result), key="gate-report",
+                             description="Evaluation gate: candidate vs reference vs champion")
+    return result.to_dict()

@@ -1,0 +1,165 @@
+"""MLflow model registry: register the actor / critic / reward, move aliases, record lineage.
+
+Registered models are ``<prefix>-actor`` (``mlflow.transformers``, loadable
+with ``mlflow.transformers.load_model("models:/<prefix>-actor@champion")``),
+``<prefix>-critic`` and ``<prefix>-reward`` (pyfunc; ``predict`` returns
+scores).  A new version gets alias ``challenger``; passing the gate moves
+``champion``.  A model directory whose content hash is already registered is
+not registered again (a re-run that skipped training adds no versions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from prefect import get_run_logger, task
+
+from rlhf_core.meta import dir_sha256, read_meta
+
+CHALLENGER, CHAMPION = "challenger", "champion"
+HASH_TAG = "rlhf.content_hash"
+
+
+@dataclass
+class Registered:
+    name: str
+    version: str
+    new: bool  # False when an identical model was already registered
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "version": self.version, "new": self.new}
+
+
+def _client():
+    from mlflow import MlflowClient
+
+    return MlflowClient()
+
+
+def find_version_by_hash(name: str, content_hash: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = _client().search_model_versions(f"name='{name}' and tags.`{HASH_TAG}`='{content_hash}'")
+    except MlflowException:
+        return None
+    return max(found, key=lambda v: int(v.version)) if found else None
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _client().get_model_version_by_alias(name, alias).version
+    except MlflowException:
+        return None
+
+
+def _log_model(kind: str, model_dir: Path, name: str):
+    import mlflow
+
+    if kind == "actor":
+        return mlflow.transformers.log_model(transformers_model=str(model_dir), task="text-generation", name=kind,
+                                             registered_model_name=name)
+    from rlhf_core.serving import ScorerModel
+
+    return mlflow.pyfunc.log_model(name=kind, python_model=ScorerModel(), artifacts={"model": str(model_dir)},
+                                   registered_model_name=name)
+
+
+def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[str, str]) -> Registered:
+    """Register ``model_dir`` under ``name`` (in the active MLflow run) unless its content is already there."""
+    import mlflow
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: no model to register as {name}")
+    content_hash = dir_sha256(model_dir)
+    existing = find_version_by_hash(name, content_hash)
+    if existing is not None:
+        return Registered(name, existing.version, new=False)
+    own_run = mlflow.active_run() is None
+    if own_run:
+        mlflow.start_run(run_name=f"register-{kind}")
+    try:
+        info = _log_model(kind, model_dir, name)
+    finally:
+        if own_run:
+            mlflow.end_run()
+    version = str(info.registered_model_version)
+    client = _client()
+    for key, value in {**tags, HASH_TAG: content_hash, "rlhf.kind": kind}.items():
+        client.set_model_version_tag(name, version, key, str(value))
+    client.set_registered_model_alias(name, CHALLENGER, version)
+    return Registered(name, version, new=True)
+
+
+def model_lineage(model_dir: Path, base_tags: dict[str, str]) -> dict[str, str]:
+    """Lineage tags from ``rlhf_meta.json``: inputs' hashes, params hash, git sha, upstream versions."""
+    meta = read_meta(model_dir)
+    tags = dict(base_tags)
+    tags["rlhf.params_hash"] = meta.get("params_hash", tags.get("rlhf.params_hash", ""))
+    if meta.get("git_sha"):
+        tags["rlhf.git_sha"] = meta["git_sha"]
+    for key, value in (meta.get("inputs") or {}).items():
+        tags[f"rlhf.input.{key}"] = str(value)
+    return tags
+
+
+def promote(name: str, version: str, reason: str, by: str = "gate") -> str | None:
+    """Move ``champion`` to ``version``; the previous champion is recorded in a tag. Returns it."""
+    client = _client()
+    previous = alias_version(name, CHAMPION)
+    client.set_registered_model_alias(name, CHAMPION, version)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    client.set_model_version_tag(name, version, "rlhf.promoted_at", now)
+    client.set_model_version_tag(name, version, "rlhf.promoted_by", by)
+    client.set_model_version_tag(name, version, "rlhf.promotion_reason", reason)
+    client.set_model_version_tag(name, version, "rlhf.previous_champion", previous or "none")
+    return previous
+
+
+def rollback(name: str, reason: str = "manual rollback") -> tuple[str, str]:
+    """Move ``champion`` back to the version the current champion replaced. Returns (from, to)."""
+    client = _client()
+    current = alias_version(name, CHAMPION)
+    if current is None:
+        raise ValueError(f"{name} has no champion to roll back")
+    previous = client.get_model_version(name, current).tags.get("rlhf.previous_champion", "none")
+    if previous == "none":
+        raise ValueError(f"{name} v{current} is the first champion; there is nothing to roll back to")
+    client.set_registered_model_alias(name, CHAMPION, previous)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    client.set_model_version_tag(name, current, "rlhf.rolled_back_at", now)
+    client.set_model_version_tag(name, previous, "rlhf.restored_by_rollback_from", current)
+    client.set_model_version_tag(name, previous, "rlhf.rollback_reason", reason)
+    return current, previous
+
+
+def record_gate(name: str, version: str, gate: dict) -> None:
+    """Tag a version with the gate outcome and, when it failed, the failing gates and their values."""
+    client = _client()
+    client.set_model_version_tag(name, version, "rlhf.gate", "passed" if gate["passed"] else "failed")
+    failing = [f"{c['name']}={c['value']} (needs {c['op']} {c['threshold']})" for c in gate["checks"]
+               if not c["passed"]]
+    if failing:
+        client.set_model_version_tag(name, version, "rlhf.gate.failing", "; ".join(failing))
+
+
+@task(name="register-models", task_run_name="register-{kinds}", retries=2, retry_delay_seconds=[5, 30])
+def register_models(kinds: list[str], dirs: dict[str, str], prefix: str, lineage: dict[str, str]) -> dict:
+    """Register each of ``kinds`` (actor / critic / reward) from ``dirs``; returns name, version, new per kind."""
+    logger = get_run_logger()
+    out = {}
+    for kind in kinds:
+        reg = register_model_dir(kind, dirs[kind], f"{prefix}-{kind}", model_lineage(Path(dirs[kind]), lineage))
+        logger.info("%s: %s v%s (%s)", kind, reg.name, reg.version, "new" if reg.new else "already registered")
+        out[kind] = reg.as_dict()
+    return out
+
+
+@task(name="promote", task_run_name="promote-{name}-v{version}")
+def promote_task(name: str, version: str, reason: str) -> str | None:
+    return promote(name, version, reason)
