@@ -167,10 +167,12 @@ def deploy_cmd(
 
     Example: PREFECT_API_URL=http://127.0.0.1:4200/api rlhf deploy --name rlhf-nightly
     """
+    import os
     import subprocess
 
     args = [a for n in name for a in ("--name", n)] or ["--all"]
-    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", *args])
+    env = {**os.environ, "RLHF_PROJECT_DIR": os.environ.get("RLHF_PROJECT_DIR", str(Path.cwd()))}
+    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", *args], env=env)
     raise typer.Exit(proc.returncode)
 
 

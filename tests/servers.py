@@ -1,0 +1,76 @@
+"""Start real servers (MLflow, Prefect) on free loopback ports for tests; stop them afterwards."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer in {timeout_s}s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def background(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None):
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                cwd=cwd, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+
+
+@contextmanager
+def mlflow_server(tmp: Path):
+    """A real ``mlflow server``: SQLite backend, artifacts in ``tmp``; yields its URI."""
+    port = free_port()
+    log = tmp / "mlflow-server.log"
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts"),
+           "--workers", "1"]
+    with background(cmd, log) as proc:
+        uri = f"http://127.0.0.1:{port}"
+        wait_http(f"{uri}/health", 90, proc, log)
+        yield uri
+
+
+@contextmanager
+def prefect_server(tmp: Path):
+    """A real ``prefect server start`` with its own PREFECT_HOME; yields its API URL."""
+    port = free_port()
+    log = tmp / "prefect-server.log"
+    env = {"PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with background(cmd, log, env=env) as proc:
+        api = f"http://127.0.0.1:{port}/api"
+        wait_http(f"{api}/health", 120, proc, log)
+        yield api, env

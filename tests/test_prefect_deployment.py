@@ -1,0 +1,75 @@
+"""A real Prefect server and process worker run the deployment from prefect.yaml."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.servers import background, prefect_server
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _project_copy(dst: Path) -> Path:
+    """A git checkout of this project (tracked + untracked files) with a small demo params.yaml."""
+    dst.mkdir()
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dst / f)
+    params = yaml.safe_load((dst / "params.yaml").read_text())
+    params["data"]["demo"]["n_rows"] = 300
+    (dst / "params.yaml").write_text(yaml.safe_dump(params))
+    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+    return dst
+
+
+def test_scheduled_deployment_runs_on_a_process_worker(tmp_path):
+    project = _project_copy(tmp_path / "project")
+    bin_dir = str(Path(sys.executable).parent)
+    with prefect_server(tmp_path) as (api, server_env):
+        env = {**os.environ, **server_env, "PREFECT_API_URL": api, "RLHF_PROJECT_DIR": str(project),
+               "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RLHF_TRACKING": "on",
+               "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+
+        def prefect(*args, check=True):
+            proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=project, env=env,
+                                  capture_output=True, text=True, timeout=300)
+            assert not check or proc.returncode == 0, f"prefect {args}: {proc.stdout}\n{proc.stderr}"
+            return proc.stdout
+
+        prefect("work-pool", "create", "rlhf-process", "--type", "process")
+        deploy = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--name", "rlhf-nightly"], cwd=project,
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        listed = prefect("deployment", "ls")
+        assert "rlhf-pipeline/rlhf-nightly" in listed
+
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+            dep = client.read_deployment_by_name("rlhf-pipeline/rlhf-nightly")
+            assert dep.schedules and dep.schedules[0].schedule.cron == "0 2 * * *"
+            assert dep.schedules[0].schedule.timezone == "Europe/Amsterdam"
+            assert dep.work_pool_name == "rlhf-process" and dep.parameters["backend"] == "local"
+
+        out = prefect("deployment", "run", "rlhf-pipeline/rlhf-nightly", "--param", 'stages=["prepare"]')
+        run_id = next(line.split()[-1] for line in out.splitlines() if "UUID" in line)
+        with background([sys.executable, "-m", "prefect", "worker", "start", "--pool", "rlhf-process",
+                         "--run-once", "--type", "process"], tmp_path / "worker.log", env=env, cwd=project) as worker:
+            worker.wait(timeout=400)
+        state = json.loads(prefect("flow-run", "inspect", run_id, "--output", "json"))["state"]
+        assert state["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+        assert (project / "data/prepared/manifest.json").exists()
+        assert (project / ".rlhf/mlflow.db").exists()
