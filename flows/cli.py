@@ -69,10 +69,15 @@ def run_cmd(
     Example: rlhf run -S sft.epochs=2 --stage prepare --stage sft
     """
     params, ensure_dvc = _prepare_environment(Path(DEFAULT_PARAMS))
+    from rlhf_core.tracking import TrackingUnavailable, check_reachable, tracking_uri
+
+    try:
+        check_reachable(tracking_uri(params))  # before anything else: no training without tracking
+    except TrackingUnavailable as err:
+        _fail(str(err), code=3)
     if backend == "local":
         ensure_dvc(Path("."), params.project.workspace)
     from flows.pipeline import rlhf_pipeline
-    from rlhf_core.tracking import TrackingUnavailable
 
     try:
         summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend, promote=promote,

@@ -57,16 +57,37 @@ def alias_version(name: str, alias: str) -> str | None:
         return None
 
 
+def pip_requirements() -> list[str]:
+    """Explicit requirements (MLflow's inference probes for torchvision, which has no CPU build here)."""
+    from importlib import metadata
+
+    pins = []
+    for pkg in ("torch", "transformers", "tokenizers", "safetensors", "accelerate", "mlflow"):
+        try:
+            pins.append(f"{pkg}=={metadata.version(pkg).split('+')[0]}")
+        except metadata.PackageNotFoundError:
+            continue
+    return pins
+
+
 def _log_model(kind: str, model_dir: Path, name: str):
     import mlflow
 
     if kind == "actor":
-        return mlflow.transformers.log_model(transformers_model=str(model_dir), task="text-generation", name=kind,
-                                             registered_model_name=name)
+        # Components in memory: MLflow's path-only logging does not understand transformers 5's task table.
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        components = {"model": AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True),
+                      "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
+        return mlflow.transformers.log_model(transformers_model=components, task="text-generation", name=kind,
+                                             registered_model_name=name, pip_requirements=pip_requirements())
     from rlhf_core.serving import ScorerModel
 
+    import rlhf_core
+
     return mlflow.pyfunc.log_model(name=kind, python_model=ScorerModel(), artifacts={"model": str(model_dir)},
-                                   registered_model_name=name)
+                                   registered_model_name=name, pip_requirements=pip_requirements(),
+                                   code_paths=[str(Path(rlhf_core.__file__).parent)])
 
 
 def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[str, str]) -> Registered:

@@ -1,0 +1,77 @@
+"""The evaluation gate on hand-made reports: every gate passes and fails where it should."""
+
+import math
+
+from rlhf_core.config import GatesConfig
+from tasks.gates import decide, render_report
+
+
+def report(**over):
+    base = {
+        "candidate": {"reward_mean": 0.8, "accuracy": 0.7, "kl_to_reference": 1.2, "response_length": 3.0,
+                      "eos_share": 1.0},
+        "reference": {"reward_mean": 0.5, "accuracy": 0.6, "kl_to_reference": 0.0, "response_length": 3.1,
+                      "eos_share": 0.9},
+        "champion": None, "win_rate_vs_reference": 0.62, "win_rate_vs_champion": None, "n_prompts": 50,
+    }
+    for key, value in over.items():
+        if isinstance(value, dict):
+            base[key] = {**(base[key] or {}), **value}
+        else:
+            base[key] = value
+    return base
+
+
+GATES = GatesConfig(min_reward_gain=0.1, min_win_rate_vs_champion=0.55, max_kl=2.0, min_accuracy=0.65)
+
+
+def by_name(result):
+    return {c.name: c for c in result.checks}
+
+
+def test_all_pass_without_champion():
+    result = decide(report(), GATES)
+    checks = by_name(result)
+    assert result.passed
+    assert math.isclose(checks["reward_gain_vs_reference"].value, 0.3)
+    assert checks["win_rate_vs_champion"].passed and checks["win_rate_vs_champion"].note == "no champion yet"
+
+
+def test_each_gate_fails_on_its_own():
+    cases = {
+        "reward_gain_vs_reference": report(candidate={"reward_mean": 0.55}),  # gain 0.05 < 0.1
+        "win_rate_vs_champion": report(champion={"reward_mean": 0.9}, win_rate_vs_champion=0.5),
+        "kl_to_reference": report(candidate={"kl_to_reference": 2.5}),
+        "accuracy": report(candidate={"accuracy": 0.6}),
+        "no_nan": report(candidate={"reward_mean": float("nan")}),
+    }
+    for gate, rep in cases.items():
+        result = decide(rep, GATES)
+        assert not result.passed, gate
+        assert gate in [c.name for c in result.failing], (gate, result.failing)
+
+
+def test_boundaries_are_inclusive():
+    rep = report(candidate={"reward_mean": 0.75, "kl_to_reference": 2.0, "accuracy": 0.65},
+                 reference={"reward_mean": 0.5}, champion={"reward_mean": 0.7}, win_rate_vs_champion=0.55)
+    assert decide(rep, GatesConfig(min_reward_gain=0.25, min_win_rate_vs_champion=0.55, max_kl=2.0,
+                                   min_accuracy=0.65)).passed
+
+
+def test_nan_names_the_field_and_accuracy_optional():
+    rep = report(candidate={"accuracy": None, "kl_to_reference": float("inf")})
+    result = decide(rep, GATES)
+    checks = by_name(result)
+    assert checks["no_nan"].note == "candidate.kl_to_reference"
+    assert checks["accuracy"].passed and checks["accuracy"].note == "task has no checker"
+
+
+def test_markdown_report_lists_models_and_gates():
+    rep = report(champion={"reward_mean": 0.7, "accuracy": 0.66}, win_rate_vs_champion=0.4,
+                 champion_label="rlhf-demo-actor v1", candidate_label="rlhf-demo-actor v2")
+    md = render_report(rep, decide(rep, GATES), plots={"reward curve": "runs:/abc/plots/rlhf_reward.png"})
+    assert md.startswith("# Gate report: FAILED")
+    assert "| reward_mean | 0.8 | 0.5 | 0.7 |" in md
+    assert "| win_rate_vs_champion | 0.4 | >= 0.55 | **FAIL** |" in md
+    assert "| kl_to_reference | 1.2 | <= 2 | pass |" in md
+    assert "[reward curve](runs:/abc/plots/rlhf_reward.png)" in md

@@ -1,0 +1,108 @@
+"""The model registry against a real `mlflow server`: versions, aliases, lineage, dedupe, promote, rollback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.data.tokenizer import train_demo_tokenizer
+from rlhf_core.meta import build_meta, write_meta
+from tests.servers import mlflow_server
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_actor(path: Path, seed: int) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = train_demo_tokenizer([f"Human: What is {i} + {i}?\n\nAssistant: {2 * i}" for i in range(50)], 64)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    write_meta(path, build_meta("rlhf", "hash123", inputs={"sft": "sft-digest", "rm": "rm-digest"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+        old = os.environ.get("MLFLOW_TRACKING_URI")
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        import mlflow
+
+        mlflow.set_tracking_uri(uri)
+        yield uri
+        if old is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
+def test_register_dedupe_promote_rollback_and_load(mlflow_uri, tmp_path):
+    import mlflow
+    from mlflow import MlflowClient
+
+    from tasks.registry import (
+        CHALLENGER,
+        CHAMPION,
+        alias_version,
+        model_lineage,
+        promote,
+        record_gate,
+        register_model_dir,
+        rollback,
+    )
+
+    mlflow.set_experiment("registry-test")
+    name = "regtest-actor"
+    a1 = tiny_actor(tmp_path / "a1", seed=1)
+    tags = model_lineage(a1, {"rlhf.git_sha": "abc", "rlhf.dvc.data_prepared": "d41d8.dir"})
+    first = register_model_dir("actor", a1, name, tags)
+    assert (first.version, first.new) == ("1", True)
+    again = register_model_dir("actor", a1, name, tags)
+    assert (again.version, again.new) == ("1", False), "identical model registered twice"
+    a2 = tiny_actor(tmp_path / "a2", seed=2)
+    second = register_model_dir("actor", a2, name, model_lineage(a2, tags))
+    assert (second.version, second.new) == ("2", True)
+    assert alias_version(name, CHALLENGER) == "2"
+
+    client = MlflowClient()
+    v2 = client.get_model_version(name, "2")
+    assert v2.tags["rlhf.git_sha"] and v2.tags["rlhf.dvc.data_prepared"] == "d41d8.dir"
+    assert v2.tags["rlhf.input.sft"] == "sft-digest" and v2.tags["rlhf.params_hash"] == "hash123"
+    run = client.get_run(v2.run_id)  # walk back from the version to the run that logged it
+    assert run.info.run_id == v2.run_id
+
+    assert promote(name, "1", "first") is None
+    assert promote(name, "2", "better") == "1"
+    assert client.get_model_version(name, "2").tags["rlhf.previous_champion"] == "1"
+    assert rollback(name, "regression") == ("2", "1")
+    assert alias_version(name, CHAMPION) == "1"
+    with pytest.raises(ValueError, match="first champion; there is nothing to roll back to"):
+        rollback(name)
+
+    record_gate(name, "2", {"passed": False, "checks": [
+        {"name": "kl_to_reference", "value": 7.5, "op": "<=", "threshold": 5.0, "passed": False}]})
+    assert client.get_model_version(name, "2").tags["rlhf.gate.failing"] == "kl_to_reference=7.5 (needs <= 5.0)"
+
+    components = mlflow.transformers.load_model(f"models:/{name}@{CHAMPION}", return_type="components")
+    tok, model = components["tokenizer"], components["model"]
+    ids = tok("Human: What is 3 + 3?\n\nAssistant:", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 3
+
+
+def test_unreachable_mlflow_fails_fast_before_training(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "PYTHONPATH": str(REPO),
+                               "RLHF_TRACKING": "on"}, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "MLflow tracking server http://127.0.0.1:9 is unreachable" in proc.stderr
+    assert not (tmp_path / "data").exists()
