@@ -1,0 +1,119 @@
+"""Generation and response bookkeeping shared by RLHF rollouts and evaluation.
+
+Masks are where RLHF code goes wrong, so the rules live here, once:
+prompts are left-padded; a response ends at its first EOS, which is kept in
+the action mask; everything after it is masked; pad is never taken for EOS
+(the mask is built from EOS positions alone, so ``pad == eos`` tokenizers
+work); logits at position t score token t+1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_core.algos import logprobs_from_logits
+
+
+def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 up to and including the first EOS of each row, 0 after it; rows without EOS are all 1.
+
+    ``eos_before[t]`` = number of EOS strictly before t; a token is an action iff none came before.
+    """
+    is_eos = (responses == eos_token_id).long()
+    eos_before = is_eos.cumsum(dim=1) - is_eos
+    return (eos_before == 0).long()
+
+
+def ended_with_eos(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """True for rows that contain an EOS (the response ended rather than hitting max length)."""
+    return (responses == eos_token_id).any(dim=1)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore left padding: cumsum(mask) - 1, clamped at 0."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+@dataclass
+class Rollout:
+    """Left-padded prompts, responses and their masks: ``sequences = cat(prompt_ids, responses)``."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    responses: torch.Tensor  # [B, R]
+    action_mask: torch.Tensor  # [B, R]: response tokens up to and including the first EOS
+    texts: list[str]  # decoded responses (without EOS and what follows)
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.responses], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.action_mask], dim=1)
+
+    @property
+    def ended(self) -> torch.Tensor:
+        """Rows whose response ended with EOS (last action token is EOS)."""
+        return self.action_mask.sum(dim=1) < self.responses.shape[1]
+
+    def select(self, keep: torch.Tensor) -> Rollout:
+        idx = keep.nonzero(as_tuple=True)[0]
+        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.responses[idx], self.action_mask[idx],
+                       [self.texts[i] for i in idx.tolist()])
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask (left-truncated to ``max_len`` when given)."""
+    side, tside = tokenizer.padding_side, tokenizer.truncation_side
+    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
+    try:
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                        truncation=max_len is not None, max_length=max_len)
+    finally:
+        tokenizer.padding_side, tokenizer.truncation_side = side, tside
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, do_sample: bool = True, max_prompt_len: int | None = None) -> Rollout:
+    """Sample (or greedily decode, with ``do_sample=False`` or ``temperature == 0``) one response per prompt.
+
+    Uses the KV cache; stops when every row has produced EOS or after ``max_new_tokens``.
+    """
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_len)
+    device = next(model.parameters()).device
+    greedy = not do_sample or temperature == 0
+    kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p,
+                                                  "top_k": 0}
+    out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
+                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, use_cache=True, **kwargs)
+    responses = out[:, prompt_ids.shape[1]:].cpu()
+    if responses.shape[1] == 0:
+        responses = torch.full((len(prompts), 1), tokenizer.eos_token_id, dtype=prompt_ids.dtype)
+    mask = response_mask(responses, tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(responses * mask + tokenizer.pad_token_id * (1 - mask),
+                                   skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, responses, mask, texts)
+
+
+def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                      return_entropy: bool = False):
+    """Log-probs of the last ``response_len`` tokens of ``sequences`` under ``model``: ``[B, R]``.
+
+    Only the logits that score response tokens are computed (``logits_to_keep``): the logits at
+    position t score token t+1, so positions ``-R-1 .. -2`` score the response.
+    """
+    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                logits_to_keep=response_len + 1, use_cache=False)
+    logits = out.logits[:, :-1, :].float()
+    logp = logprobs_from_logits(logits, sequences[:, -response_len:])
+    if return_entropy:
+        from rlhf_core.algos import entropy_from_logits
+
+        return logp, entropy_from_logits(logits)
+    return logp

@@ -1,0 +1,75 @@
+"""Response masks on hand-made sequences, and log-probs scored at the right positions."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.generation import Rollout, position_ids, response_logprobs, response_mask
+
+EOS, PAD = 2, 0
+
+
+def test_mask_eos_in_middle_at_end_and_missing():
+    responses = torch.tensor([
+        [5, 6, EOS, PAD, PAD],   # EOS in the middle: kept, the rest masked
+        [5, 6, 7, 8, EOS],       # EOS at the end
+        [5, 6, 7, 8, 9],         # no EOS: hit max length, all valid
+        [EOS, PAD, PAD, PAD, PAD],  # empty response: only the EOS
+    ])
+    assert response_mask(responses, EOS).tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0],
+    ]
+
+
+def test_mask_when_pad_equals_eos():
+    """With pad == eos the padding after the first EOS is masked, and the first EOS is kept."""
+    responses = torch.tensor([[5, EOS, EOS, EOS], [5, 6, 7, EOS], [5, 6, 7, 8]])
+    assert response_mask(responses, EOS).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+
+
+def test_pad_token_is_not_taken_for_eos():
+    """A pad id inside a response (pad != eos) does not end it."""
+    responses = torch.tensor([[5, PAD, 6, EOS, 9]])
+    assert response_mask(responses, EOS).tolist() == [[1, 1, 1, 1, 0]]
+
+
+def test_rollout_ended_and_select():
+    r = Rollout(torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long),
+                torch.tensor([[5, EOS, PAD], [5, 6, 7], [EOS, PAD, PAD]]),
+                response_mask(torch.tensor([[5, EOS, PAD], [5, 6, 7], [EOS, PAD, PAD]]), EOS), ["a", "b", ""])
+    assert r.ended.tolist() == [True, False, True]
+    kept = r.select(torch.tensor([True, False, True]))
+    assert kept.texts == ["a", ""] and kept.responses.shape == (2, 3)
+
+
+def test_position_ids_ignore_left_padding():
+    assert position_ids(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])).tolist() == [[0, 0, 0, 1, 2],
+                                                                                       [0, 1, 2, 3, 4]]
+
+
+class _Bigram(torch.nn.Module):
+    """logits[t] = table[token[t]]: a model whose log-probs can be written down by hand."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = torch.nn.Parameter(table)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+        logits = self.table[input_ids]
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return type("Out", (), {"logits": logits})()
+
+
+def test_response_logprobs_score_token_t_plus_one():
+    vocab = 4
+    table = torch.log_softmax(torch.arange(vocab * vocab, dtype=torch.float).reshape(vocab, vocab) / 4, dim=-1)
+    model = _Bigram(table.clone())
+    seq = torch.tensor([[0, 1, 3, 2]])  # prompt [0, 1], response [3, 2]
+    logp = response_logprobs(model, seq, torch.ones_like(seq), response_len=2)
+    # token 3 is scored by the logits at the position of token 1, token 2 by those at token 3
+    expected = torch.tensor([[table[1, 3], table[3, 2]]])
+    assert torch.allclose(logp, expected, atol=1e-6)
