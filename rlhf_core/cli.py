@@ -19,6 +19,7 @@ from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 # stage name -> "module:function" taking (params, root, log)
 STAGES: dict[str, str] = {
     "prepare": "rlhf_core.stages.prepare:run",
+    "evaluate": "rlhf_core.stages.evaluate:run",
 }
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",

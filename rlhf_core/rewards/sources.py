@@ -1,0 +1,63 @@
+"""Reward sources combined for RLHF and evaluation: rule functions by name, plus the trained RM (``rm``).
+
+``rlhf.reward_fns`` maps a source name to its weight; the score of a completion
+is ``sum_k w_k * source_k(prompt, completion)``.  ``rm`` scores ``prompt +
+completion`` with the reward model in ``models/rm`` (re-tokenised from text,
+so an RM with a different tokenizer than the actor works; with
+``rm_tokenizer_mismatch: error`` a mismatch is refused instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rlhf_core.rewards.registry import get_reward_fn
+
+RM_SOURCE = "rm"
+
+
+class RewardSources:
+    """Callable ``(prompts, completions, **columns) -> FloatTensor[B]`` over the configured sources."""
+
+    def __init__(self, weights: dict[str, float], rm_path: str | Path | None = None, actor_tokenizer=None,
+                 on_mismatch: str = "retokenize", device: str | torch.device = "cpu"):
+        if not weights:
+            raise ValueError("rlhf.reward_fns is empty: name at least one reward source")
+        self.weights = dict(weights)
+        self.rules = {name: get_reward_fn(name) for name in self.weights if name != RM_SOURCE}
+        self.rm = None
+        if RM_SOURCE in self.weights:
+            if rm_path is None or not Path(rm_path).is_dir():
+                raise ValueError(f"reward source 'rm' needs a trained reward model at {rm_path}")
+            self.rm = load_reward_model(rm_path, device)
+            if actor_tokenizer is not None and on_mismatch == "error" and not same_tokenizer(
+                    self.rm.tokenizer, actor_tokenizer):
+                raise ValueError(f"the reward model at {rm_path} uses a different tokenizer than the actor "
+                                 "(rlhf.rm_tokenizer_mismatch: error); retrain the RM or set it to retokenize")
+
+    def rm_scores(self, prompts: Sequence[str], completions: Sequence[str]) -> torch.Tensor:
+        if self.rm is None:
+            raise ValueError("no reward model configured (add `rm` to rlhf.reward_fns)")
+        return self.rm.score([p + c for p, c in zip(prompts, completions, strict=True)]).float().cpu()
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> torch.Tensor:
+        total = torch.zeros(len(completions))
+        for name, fn in self.rules.items():
+            total += self.weights[name] * torch.tensor(fn(prompts, completions, **columns), dtype=torch.float)
+        if self.rm is not None:
+            total += self.weights[RM_SOURCE] * self.rm_scores(prompts, completions)
+        return total
+
+
+def same_tokenizer(a, b) -> bool:
+    return a.get_vocab() == b.get_vocab() and a.eos_token == b.eos_token
+
+
+def load_reward_model(path: str | Path, device: str | torch.device = "cpu"):
+    """The trained RM's scorer (``score(texts) -> Tensor[B]``)."""
+    from rlhf_core.models import RewardScorer
+
+    return RewardScorer.from_pretrained(path, device=device)

@@ -1,0 +1,89 @@
+"""The evaluate stage on tiny local models: report schema, hand-checkable numbers, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from rlhf_core.stages.evaluate import evaluate, win_rate
+from rlhf_core.stages.prepare import prepare
+from tests.conftest import make_params
+
+
+def test_win_rate_counts_ties_half():
+    a, b = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.tensor([0.0, 1.0, 0.5, 1.0])
+    assert win_rate(a, b) == pytest.approx((1 + 0 + 0.5 + 1) / 4)
+
+
+def _tiny_lm(base, out, seed):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+
+
+@pytest.fixture
+def prepared(workspace):
+    params = make_params("model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2",
+                         "model.tiny.num_key_value_heads=2", "model.tiny.num_hidden_layers=1",
+                         "model.tiny.intermediate_size=64", "eval.max_prompts=12", "eval.max_new_tokens=4",
+                         "rlhf.reward_fns={exact_answer: 1.0}")
+    prepare(params)
+    _tiny_lm(workspace / "models/base", workspace / "models/sft", seed=0)
+    return params
+
+
+def test_identical_candidate_and_reference(prepared, workspace):
+    shutil.copytree(workspace / "models/sft", workspace / "models/actor")
+    report = evaluate(prepared, workspace)
+    cand, ref = report["candidate"], report["reference"]
+    assert report["n_prompts"] == 12 and report["champion"] is None and report["win_rate_vs_champion"] is None
+    assert cand["kl_to_reference"] == pytest.approx(0.0, abs=1e-5)
+    assert report["win_rate_vs_reference"] == 0.5  # identical greedy answers tie everywhere
+    assert cand["reward_mean"] == ref["reward_mean"] == cand["accuracy"]  # exact_answer reward == accuracy
+    assert 0 < cand["response_length"] <= 4 and 0 <= cand["eos_share"] <= 1
+    assert json.loads((workspace / "reports/eval.json").read_text()) == report
+    metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
+    assert metrics["win_rate_vs_reference"] == 0.5
+
+
+def test_different_candidate_has_positive_kl(prepared, workspace):
+    _tiny_lm(workspace / "models/base", workspace / "models/actor", seed=1)
+    report = evaluate(prepared, workspace)
+    assert report["candidate"]["kl_to_reference"] > 0  # KL of pi to pi_ref on pi's own greedy samples
+
+
+def test_missing_models_are_named(prepared, workspace):
+    with pytest.raises(ValueError, match=r"models/actor is missing"):
+        evaluate(prepared, workspace)
+
+
+class _Table(torch.nn.Module):
+    """logits[t] = table[token[t]]."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+        return type("Out", (), {"logits": self.table[input_ids][:, -logits_to_keep:]})()
+
+
+def test_sequence_kl_by_hand():
+    from rlhf_core.generation import Rollout
+    from rlhf_core.stages.evaluate import sequence_kl
+
+    p = torch.tensor([[0.5, 0.5], [0.9, 0.1]])  # rows: next-token distributions after token 0 / token 1
+    q = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    rollout = Rollout(torch.tensor([[0]]), torch.tensor([[1]]), torch.tensor([[1, 0]]), torch.tensor([[1, 1]]), ["x"])
+    kl = sequence_kl(_Table(p.log()), _Table(q.log()), rollout, batch_size=4)
+    # positions scoring the response: after token 0 (KL 0) and after token 1:
+    # 0.9 ln(0.9/0.5) + 0.1 ln(0.1/0.5) = 0.5290 - 0.1609 = 0.3681
+    assert kl.tolist() == pytest.approx([0.36806], abs=1e-4)
+    rollout.action_mask = torch.tensor([[1, 0]])  # the second response token is masked out
+    assert sequence_kl(_Table(p.log()), _Table(q.log()), rollout, batch_size=4).tolist() == pytest.approx([0.0])
