@@ -1,0 +1,63 @@
+"""Pure, vectorised tensor math for PPO / GRPO: masking, KL, advantages and losses.
+
+No I/O, no models, no config objects. Tensors are ``[B, T]`` over response positions with a 0/1 ``mask`` of
+valid action positions unless a docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+from rlhf_core.algos.advantages import (
+    discounted_cumsum,
+    gae,
+    group_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from rlhf_core.algos.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_estimate,
+    kl_penalized_rewards,
+)
+from rlhf_core.algos.losses import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    pairwise_rm_loss,
+    policy_loss,
+    value_loss,
+)
+from rlhf_core.algos.masking import (
+    as_bool_mask,
+    gather_last,
+    last_valid_index,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "as_bool_mask",
+    "discounted_cumsum",
+    "entropy_from_logits",
+    "gae",
+    "gather_last",
+    "group_advantages",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "last_valid_index",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "pairwise_rm_loss",
+    "policy_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "value_loss",
+]

@@ -1,0 +1,185 @@
+"""Losses and per-token quantities from logits: clipped PPO policy/value losses, pairwise reward-model loss,
+log-probabilities and entropy.
+
+Losses return ``(loss, stats)``: ``loss`` is a differentiable 0-dim tensor and ``stats`` a dict of detached
+0-dim tensors (no host synchronisation; call ``.item()`` when logging).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.algos.masking import as_bool_mask, masked_mean
+
+__all__ = [
+    "entropy_from_logits",
+    "logprobs_from_logits",
+    "pairwise_rm_loss",
+    "policy_loss",
+    "value_loss",
+]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _zero_outside(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss (Schulman et al., 2017), token-level mean over valid positions.
+
+    With ``ratio = exp(logp - old_logp)``::
+
+        loss_t = max(-A_t * ratio, -A_t * clamp(ratio, 1 - clip_eps, 1 + clip_eps))
+        loss   = masked_mean(loss_t, mask)            # every valid token of the batch weighs the same
+
+    Dual clip (Ye et al., 2020), ``dual_clip = c > 1``: where ``A_t < 0`` the token loss is capped,
+    ``loss_t = min(loss_t, -A_t * c)``, bounding the loss of very large ratios on negative advantages.
+
+    ``stats``:
+
+    * ``clipfrac``: masked share of tokens where the clipped term is strictly larger than the unclipped one
+      (the clipped branch was taken and the token gets no gradient);
+    * ``dual_clipfrac``: masked share of tokens where the dual-clip cap bound (0 without ``dual_clip``);
+    * ``approx_kl``: ``masked_mean(0.5 * (logp - old_logp)^2)``, the k2 estimator of ``KL(old || new)``;
+    * ``ratio_mean``: masked mean of ``ratio``.
+
+    ``old_logp`` and ``advantages`` are treated as constants (detached).
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    m = as_bool_mask(mask)
+    # Zero the log-ratio and advantage on padding first, so -inf/NaN there cannot reach the loss or the gradient.
+    log_ratio = _zero_outside(logp - old_logp.detach(), m)
+    adv = _zero_outside(advantages.detach().to(log_ratio.dtype), m)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    token_loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual_bound = (adv < 0) & (token_loss > cap)
+        token_loss = torch.where(dual_bound, cap, token_loss)
+    else:
+        dual_bound = torch.zeros_like(m)
+    loss = masked_mean(token_loss, m)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), m),
+            "dual_clipfrac": masked_mean(dual_bound.to(ratio.dtype), m),
+            "approx_kl": masked_mean(0.5 * log_ratio**2, m),
+            "ratio_mean": masked_mean(ratio, m),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss: ``0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2))``.
+
+    ``V_clip = clamp(V, V_old - clip_eps, V_old + clip_eps)``; with ``clip_eps=None`` the plain
+    ``0.5 * masked_mean((V - R)^2)``. ``stats``: ``vf_clipfrac`` (masked share of tokens where the clipped
+    error is strictly larger, i.e. the clipped branch was taken) and ``vpred_mean`` (masked mean of ``V``).
+    ``old_values`` and ``returns`` are treated as constants (detached).
+    """
+    m = as_bool_mask(mask)
+    v = _zero_outside(values, m)
+    old_v = _zero_outside(old_values.detach().to(v.dtype), m)
+    ret = _zero_outside(returns.detach().to(v.dtype), m)
+    unclipped = (v - ret) ** 2
+    if clip_eps is None:
+        per_token, clipped_taken = unclipped, torch.zeros_like(m)
+    else:
+        v_clipped = old_v + (v - old_v).clamp(-clip_eps, clip_eps)
+        clipped = (v_clipped - ret) ** 2
+        per_token, clipped_taken = torch.maximum(unclipped, clipped), clipped > unclipped
+    loss = 0.5 * masked_mean(per_token, m)
+    with torch.no_grad():
+        stats = {
+            "vf_clipfrac": masked_mean(clipped_taken.to(v.dtype), m),
+            "vpred_mean": masked_mean(v, m),
+        }
+    return loss, stats
+
+
+class _GatherLogProb(torch.autograd.Function):
+    """``logits[labels] - logsumexp(logits)`` in float32 for half-precision logits.
+
+    Saves only the (already existing) logits, the labels and the ``[..]`` float32 logsumexp, not a float32
+    copy of the logits; the softmax for the backward pass is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        ctx.save_for_backward(logits, labels, lse)
+        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, labels, lse = ctx.saved_tensors
+        grad = grad.unsqueeze(-1)
+        grad_logits = -grad * torch.exp(logits.float() - lse.unsqueeze(-1))
+        grad_logits.scatter_add_(-1, labels.unsqueeze(-1), grad)
+        return grad_logits.to(logits.dtype), None
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., labels]``: ``[B, T, V], [B, T] -> [B, T]``.
+
+    Computed as ``logits.gather(labels) - logsumexp(logits)``, so the full ``[B, T, V]`` log-softmax is never
+    kept. Half-precision (fp16/bf16) logits are reduced in float32 and give float32 log-probs (a bf16
+    logsumexp would be off by up to ~0.03 nats); other dtypes are kept.
+    """
+    labels = labels.long()
+    if logits.dtype in _LOW_PRECISION:
+        return _GatherLogProb.apply(logits, labels)
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dim: ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``.
+
+    ``[B, T, V] -> [B, T]``; fp16/bf16 logits are computed in float32 and give float32. ``-inf`` logits
+    (masked vocabulary entries) contribute 0, not ``NaN``.
+    """
+    z = logits.float() if logits.dtype in _LOW_PRECISION else logits
+    probs = torch.softmax(z, dim=-1)
+    z_finite = torch.where(probs > 0, z, torch.zeros((), dtype=z.dtype, device=z.device))
+    return torch.logsumexp(z, dim=-1) - (probs * z_finite).sum(dim=-1)
+
+
+def pairwise_rm_loss(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: float | torch.Tensor = 0.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bradley-Terry reward-model loss: ``mean(-logsigmoid(r_chosen - r_rejected - margin))``.
+
+    ``margin`` is a float or a per-pair tensor (Llama 2 style). ``stats``: ``accuracy`` (share of pairs with
+    ``r_chosen > r_rejected``), ``chosen_mean``, ``rejected_mean`` and ``margin_mean`` (mean of
+    ``r_chosen - r_rejected``).
+    """
+    diff = chosen_scores - rejected_scores
+    loss = -F.logsigmoid(diff - margin).mean()
+    with torch.no_grad():
+        stats = {
+            "accuracy": (chosen_scores > rejected_scores).to(diff.dtype).mean(),
+            "chosen_mean": chosen_scores.mean(),
+            "rejected_mean": rejected_scores.mean(),
+            "margin_mean": diff.mean(),
+        }
+    return loss, stats
