@@ -43,11 +43,6 @@ def resolve_stage(name: str):
     return getattr(importlib.import_module(module), func)
 
 
-def console_log(metrics: dict, step: int) -> None:
-    """Default ``log(metrics, step)``: one JSON line on stderr."""
-    console.print(json.dumps({"step": step, **metrics}, default=float), highlight=False, markup=False)
-
-
 @app.command("stage")
 def stage_cmd(
     name: str = typer.Argument(..., help="Stage to run: prepare | sft | rm | rlhf | evaluate."),
@@ -65,12 +60,13 @@ def stage_cmd(
         _fail(str(err))
     from rlhf_core import tracking
     from rlhf_core.data.readers import DataError
+    from rlhf_core.progress import StageProgress
 
     try:
-        with tracking.stage_run(name, params, Path(".")) as mlflow_log:
+        with tracking.stage_run(name, params, Path(".")) as mlflow_log, StageProgress(name, console) as show:
 
             def log(metrics: dict, step: int) -> None:
-                console_log(metrics, step)
+                show(metrics, step)
                 mlflow_log(metrics, step)
 
             result = fn(params, Path("."), log)
