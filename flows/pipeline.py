@@ -17,6 +17,7 @@ import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
+from prefect.tasks import exponential_backoff
 
 from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
@@ -57,6 +58,8 @@ def rlhf_pipeline(
     force: bool = False,
     root: str = ".",
     params_file: str = DEFAULT_PARAMS,
+    retries: int = 2,
+    retry_delay_s: float = 10.0,
 ) -> dict:
     """Run the RLHF pipeline and return a summary dict (stages, registered versions, gate, promoted)."""
     import mlflow
@@ -85,9 +88,11 @@ def rlhf_pipeline(
         champion = alias_version(f"{prefix}-actor", CHAMPION)
         if champion:
             env["RLHF_CHAMPION_URI"] = f"models:/{prefix}-actor/{champion}"
+        stage_task = run_stage.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_s))
         for stage in STAGE_ORDER:
             if stage in wanted:
-                summary["stages"].append(run_stage(stage, root=str(root_path), backend=backend, env=env, force=force))
+                summary["stages"].append(stage_task(stage, root=str(root_path), backend=backend, env=env,
+                                                    force=force))
         create_table_artifact(_metric_rows(summary["stages"]), key="stage-metrics",
                               description="Per-stage status, wall time and metrics")
 

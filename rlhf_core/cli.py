@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,21 @@ def resolve_stage(name: str):
     return getattr(importlib.import_module(module), func)
 
 
+def inject_fault(stage: str, step: int) -> None:
+    """Resilience testing: ``RLHF_FAULT=STAGE:STEP:MARKER_FILE`` kills the stage once after logging STEP.
+
+    The marker file records that the fault fired, so the retried stage runs through (and resumes).
+    """
+    spec = os.environ.get("RLHF_FAULT")
+    if not spec:
+        return
+    fault_stage, fault_step, marker = spec.split(":", 2)
+    if fault_stage == stage and step >= int(fault_step) and not Path(marker).exists():
+        Path(marker).write_text(f"{stage} killed after step {step}\n")
+        console.print(f"[red]fault injected[/red]: {stage} killed after step {step} (RLHF_FAULT)")
+        os._exit(17)
+
+
 @app.command("stage")
 def stage_cmd(
     name: str = typer.Argument(..., help="Stage to run: prepare | sft | rm | rlhf | evaluate."),
@@ -68,6 +84,7 @@ def stage_cmd(
             def log(metrics: dict, step: int) -> None:
                 show(metrics, step)
                 mlflow_log(metrics, step)
+                inject_fault(name, step)
 
             result = fn(params, Path("."), log)
     except tracking.TrackingUnavailable as err:
