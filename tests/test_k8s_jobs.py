@@ -1,0 +1,325 @@
+"""tasks/k8s_jobs.py: rendering rules, and submission through the real ``kubernetes`` client.
+
+Submission tests run the real ``BatchV1Api`` / ``CoreV1Api`` (request building, model serialisation,
+response deserialisation) over an ``ApiClient`` whose ``rest_client.request`` is replaced by a fake
+cluster: it records each HTTP request (method, path, query, the JSON body as it would go on the wire)
+and answers with canned HTTP responses.  No network, no cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import yaml
+
+from tasks import k8s_jobs as kj
+
+REPO = Path(__file__).resolve().parents[1]
+k8s_client = pytest.importorskip("kubernetes.client", reason="kubernetes is in the [dev] / [k8s] extras")
+from kubernetes.client.rest import RESTResponse  # noqa: E402
+
+NS = "rlhf"
+JOB_UID = "6f1c2d5e-0000-4000-8000-000000000001"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A fake cluster behind the real client
+# ------------------------------------------------------------------------------------------------------------------
+class FakeHTTPResponse:
+    """The slice of urllib3.HTTPResponse that kubernetes.client.rest.RESTResponse reads."""
+
+    def __init__(self, status: int, payload, content_type: str = "application/json"):
+        self.status = status
+        self.reason = {200: "OK", 201: "Created", 404: "Not Found", 400: "Bad Request"}.get(status, "")
+        self.data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.headers = {"content-type": content_type}
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict
+    body: dict | None
+
+
+@dataclass
+class FakeCluster:
+    """Answers the API calls submit_stage_job makes; job states and pod logs are scripted per poll."""
+
+    job_states: list[dict]  # successive `status` objects returned by GET job
+    pods: list[dict] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)  # successive GET log bodies
+    requests: list[Request] = field(default_factory=list)
+
+    def request(self, method, url, headers=None, body=None, post_params=None, _request_timeout=None):
+        parts = urlsplit(url)
+        wire = json.dumps(body) if body is not None else None  # what RESTClientObject sends for JSON bodies
+        req = Request(method, parts.path, {k: v[0] for k, v in parse_qs(parts.query).items()},
+                      json.loads(wire) if wire else None)
+        self.requests.append(req)
+        return RESTResponse(self.answer(req))
+
+    def answer(self, req: Request) -> FakeHTTPResponse:
+        jobs = f"/apis/batch/v1/namespaces/{NS}/jobs"
+        if req.method == "POST" and req.path == jobs:
+            created = json.loads(json.dumps(req.body))
+            created["metadata"].update(uid=JOB_UID, resourceVersion="1", creationTimestamp="2025-01-01T00:00:00Z")
+            return FakeHTTPResponse(201, created)
+        if req.method == "POST" and req.path == f"/api/v1/namespaces/{NS}/services":
+            return FakeHTTPResponse(201, req.body)
+        if req.method == "GET" and req.path.startswith(jobs + "/"):
+            name = req.path.rsplit("/", 1)[1]
+            status = self.job_states.pop(0) if len(self.job_states) > 1 else self.job_states[0]
+            return FakeHTTPResponse(200, {"apiVersion": "batch/v1", "kind": "Job",
+                                          "metadata": {"name": name, "namespace": NS, "uid": JOB_UID},
+                                          "status": status})
+        if req.method == "DELETE" and req.path.startswith(jobs + "/"):
+            return FakeHTTPResponse(200, {"apiVersion": "v1", "kind": "Status", "status": "Success"})
+        if req.method == "GET" and req.path == f"/api/v1/namespaces/{NS}/pods":
+            return FakeHTTPResponse(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": self.pods})
+        if req.method == "GET" and req.path.endswith("/log"):
+            text = self.logs.pop(0) if self.logs else ""
+            return FakeHTTPResponse(200, text.encode(), content_type="text/plain")
+        return FakeHTTPResponse(404, {"kind": "Status", "code": 404, "message": f"no route {req.method} {req.path}"})
+
+
+def apis(cluster: FakeCluster):
+    api_client = k8s_client.ApiClient(k8s_client.Configuration(host="https://k8s.invalid"))
+    api_client.rest_client.request = cluster.request
+    return k8s_client.BatchV1Api(api_client), k8s_client.CoreV1Api(api_client)
+
+
+def pod(name: str, *, index: str | None = None, terminated: dict | None = None, phase: str = "Running",
+        reason: str | None = None) -> dict:
+    annotations = {kj.COMPLETION_INDEX_ANNOTATION: index} if index is not None else {}
+    status: dict = {"phase": phase}
+    if terminated:
+        status["containerStatuses"] = [{"name": "rlhf", "ready": False, "restartCount": 0, "image": "x",
+                                        "imageID": "", "state": {"terminated": terminated}}]
+    if reason:
+        status["reason"] = reason
+    return {"metadata": {"name": name, "namespace": NS, "annotations": annotations,
+                         "creationTimestamp": "2025-01-01T00:00:01Z"}, "status": status}
+
+
+RUNNING = {"active": 1}
+COMPLETE = {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+FAILED = {"failed": 3, "conditions": [
+    {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded"},
+    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+     "message": "Job has reached the specified backoff limit"}]}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Submission
+# ------------------------------------------------------------------------------------------------------------------
+def test_submit_posts_the_rendered_job_and_streams_logs():
+    cluster = FakeCluster(
+        job_states=[RUNNING, RUNNING, COMPLETE],
+        pods=[pod("rlhf-sft-t1-abcde")],
+        logs=["2025-01-01T00:00:02.5Z step 1\n2025-01-01T00:00:03Z step 2\n",
+              # the next poll overlaps the first (since_seconds): step 2 must not be emitted twice
+              "2025-01-01T00:00:03Z step 2\n2025-01-01T00:00:03.000000001Z step 3\n",
+              "2025-01-01T00:00:04Z done\n"])
+    batch, core = apis(cluster)
+    lines: list[str] = []
+    env = {"RLHF_PARENT_RUN_ID": "run-123", "MLFLOW_TRACKING_URI": "http://mlflow.example:5000"}
+    result = kj.submit_stage_job("sft", name="rlhf-sft-t1", env=env, batch_api=batch, core_api=core,
+                                 poll_s=0, log=lines.append)
+
+    posts = [r for r in cluster.requests if r.method == "POST"]
+    assert [r.path for r in posts] == [f"/apis/batch/v1/namespaces/{NS}/jobs"]
+    expected = kj.render_stage_job("sft", name="rlhf-sft-t1", env=env, seed_params=False)
+    assert posts[0].body == expected  # the serialised V1Job is exactly the rendered manifest
+    body_env = posts[0].body["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.example:5000"} in body_env
+    assert [e["name"] for e in body_env].count("MLFLOW_TRACKING_URI") == 1
+    assert "initContainers" not in posts[0].body["spec"]["template"]["spec"]  # the flow's params.yaml is used
+
+    gets = [r for r in cluster.requests if r.method == "GET"]
+    assert f"/apis/batch/v1/namespaces/{NS}/jobs/rlhf-sft-t1" in [r.path for r in gets]
+    pod_lists = [r for r in gets if r.path == f"/api/v1/namespaces/{NS}/pods"]
+    assert pod_lists and all(r.query["labelSelector"] == "rlhf-ops/job=rlhf-sft-t1" for r in pod_lists)
+    log_reqs = [r for r in gets if r.path.endswith("/log")]
+    assert log_reqs[0].path == f"/api/v1/namespaces/{NS}/pods/rlhf-sft-t1-abcde/log"
+    assert all(r.query["container"] == "rlhf" and r.query["timestamps"] == "true" for r in log_reqs)
+    assert "sinceSeconds" not in log_reqs[0].query and "sinceSeconds" in log_reqs[1].query
+
+    assert [ln for ln in lines if not ln.startswith(("created job", "job "))] == \
+        ["step 1", "step 2", "step 3", "done"]
+    assert result["status"] == "succeeded" and result["job_name"] == "rlhf-sft-t1"
+    assert result["pods"] == ["rlhf-sft-t1-abcde"] and result["namespace"] == NS
+
+
+def test_submit_multi_node_creates_headless_service_owned_by_the_job():
+    cluster = FakeCluster(job_states=[COMPLETE], pods=[pod("rlhf-rm-t2-1-x", index="1"),
+                                                        pod("rlhf-rm-t2-0-y", index="0")],
+                          logs=["2025-01-01T00:00:02Z rank0 line\n"])
+    batch, core = apis(cluster)
+    kj.submit_stage_job("rm", name="rlhf-rm-t2", nnodes=2, gpus=4, batch_api=batch, core_api=core, poll_s=0,
+                        log=lambda _: None)
+    posts = [r for r in cluster.requests if r.method == "POST"]
+    assert [r.path for r in posts] == [f"/apis/batch/v1/namespaces/{NS}/jobs", f"/api/v1/namespaces/{NS}/services"]
+    job, svc = posts[0].body, posts[1].body
+    assert job == kj.render_stage_job("rm", name="rlhf-rm-t2", nnodes=2, gpus=4, seed_params=False)
+    assert svc["metadata"]["ownerReferences"] == [{"apiVersion": "batch/v1", "kind": "Job", "name": "rlhf-rm-t2",
+                                                   "uid": JOB_UID}]
+    assert svc["spec"]["clusterIP"] == "None" and job["spec"]["template"]["spec"]["subdomain"] == "rlhf-rm-t2"
+    logs = [r.path for r in cluster.requests if r.path.endswith("/log")]
+    assert logs and all("/pods/rlhf-rm-t2-0-y/" in p for p in logs), "streams rank 0 (completion index 0) only"
+
+
+def test_failed_job_raises_with_the_pods_termination_reason():
+    cluster = FakeCluster(
+        job_states=[RUNNING, FAILED],
+        pods=[pod("rlhf-rlhf-t3-aaaaa", phase="Failed",
+                  terminated={"exitCode": 137, "reason": "OOMKilled", "startedAt": "2025-01-01T00:00:01Z",
+                              "finishedAt": "2025-01-01T00:05:00Z"})],
+        logs=["2025-01-01T00:00:02Z loading actor\n2025-01-01T00:04:59Z rollout batch 17\n"])
+    batch, core = apis(cluster)
+    with pytest.raises(kj.StageJobFailed) as info:
+        kj.submit_stage_job("rlhf", name="rlhf-rlhf-t3", batch_api=batch, core_api=core, poll_s=0,
+                            log=lambda _: None)
+    err = info.value
+    assert err.pod_reason == "OOMKilled" and err.exit_code == 137 and err.reason == "BackoffLimitExceeded"
+    assert err.pod_name == "rlhf-rlhf-t3-aaaaa" and err.stage == "rlhf" and err.job_name == "rlhf-rlhf-t3"
+    text = str(err)
+    for part in ("OOMKilled", "exit code 137", "BackoffLimitExceeded", "rlhf-rlhf-t3-aaaaa", "rollout batch 17"):
+        assert part in text
+    assert not [r for r in cluster.requests if r.method == "DELETE"], "a failed Job is kept for inspection"
+    again = pickle.loads(pickle.dumps(err))  # Prefect persists a failed task's exception
+    assert str(again) == text and again.pod_reason == "OOMKilled" and again.exit_code == 137
+
+
+def test_failed_job_with_evicted_pod_names_the_pod_reason():
+    cluster = FakeCluster(job_states=[FAILED], pods=[
+        pod("rlhf-sft-t5-a", phase="Failed", terminated={"exitCode": 1, "reason": "Error"}),
+        pod("rlhf-sft-t5-b", phase="Failed", reason="DeadlineExceeded")])
+    batch, core = apis(cluster)
+    with pytest.raises(kj.StageJobFailed, match="rlhf-sft-t5-b: DeadlineExceeded"):
+        kj.submit_stage_job("sft", name="rlhf-sft-t5", batch_api=batch, core_api=core, poll_s=0, log=lambda _: None)
+
+
+def test_timeout_deletes_the_job():
+    cluster = FakeCluster(job_states=[RUNNING])
+    batch, core = apis(cluster)
+    with pytest.raises(kj.StageJobTimeout, match="still running"):
+        kj.submit_stage_job("evaluate", name="rlhf-evaluate-t4", batch_api=batch, core_api=core, poll_s=0,
+                            timeout_s=0, log=lambda _: None)
+    (delete,) = [r for r in cluster.requests if r.method == "DELETE"]
+    assert delete.path == f"/apis/batch/v1/namespaces/{NS}/jobs/rlhf-evaluate-t4"
+    assert delete.query["propagationPolicy"] == "Background"
+
+
+@pytest.mark.parametrize("stage", kj.STAGES)
+def test_client_model_round_trip_is_lossless(stage):
+    """Every field we render is known to the client's models (an unknown one would be dropped silently)."""
+    api_client = k8s_client.ApiClient()
+    for kw in ({}, {"gpus": 0}, {"nnodes": 2, "gpus": 2} if stage != "prepare" else {"gpus": 2}):
+        for doc in kj.render_stage_resources(stage, **kw):
+            model = getattr(k8s_client, f"V1{doc['kind']}")
+            assert api_client.sanitize_for_serialization(model.from_dict(doc)) == doc
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rendering rules
+# ------------------------------------------------------------------------------------------------------------------
+def _container(job):
+    return job["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_commands():
+    assert _container(kj.render_stage_job("sft"))["command"] == ["rlhf", "stage", "sft"]
+    assert _container(kj.render_stage_job("sft", gpus=4))["command"] == [
+        "torchrun", "--standalone", "--nproc_per_node=4", "-m", "rlhf_core.cli", "stage", "sft"]
+    assert _container(kj.render_stage_job("rm", gpus=8, nnodes=3, name="big"))["command"] == [
+        "torchrun", "--nnodes=3", "--nproc_per_node=8", "--node_rank=$(JOB_COMPLETION_INDEX)",
+        "--master_addr=big-0.big", "--master_port=29500", "-m", "rlhf_core.cli", "stage", "rm"]
+    assert _container(kj.render_stage_job("evaluate", params_path="configs/gpu.yaml"))["command"] == [
+        "rlhf", "stage", "evaluate", "-p", "configs/gpu.yaml"]
+
+
+def test_gpu_defaults_per_stage():
+    prep = kj.render_stage_job("prepare")
+    assert kj.GPU_RESOURCE not in json.dumps(prep) and "nodeSelector" not in prep["spec"]["template"]["spec"]
+    sft = kj.render_stage_job("sft")
+    limits = _container(sft)["resources"]["limits"]
+    assert limits[kj.GPU_RESOURCE] == "1" and sft["spec"]["template"]["spec"]["nodeSelector"] == kj.GPU_NODE_SELECTOR
+    assert _container(kj.render_stage_job("sft", gpus=8))["resources"]["requests"][kj.GPU_RESOURCE] == "8"
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"stage": "train"}, "unknown stage"),
+    ({"stage": "sft", "gpus": 2, "nproc_per_node": 4}, "exceeds gpus"),
+    ({"stage": "prepare", "nnodes": 2}, "one process"),
+    ({"stage": "sft", "name": "Bad_Name"}, "not a valid Kubernetes name"),
+    ({"stage": "sft", "params_path": "../params.yaml"}, "relative to the workspace"),
+    ({"stage": "sft", "nnodes": 0}, "nnodes"),
+])
+def test_render_rejects_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        kj.render_stage_job(**kw)
+
+
+def test_extra_env_replaces_same_name():
+    env = _container(kj.render_stage_job("sft", env={"MLFLOW_TRACKING_URI": "http://x:5000", "A": "1"}))["env"]
+    assert [e for e in env if e["name"] == "MLFLOW_TRACKING_URI"] == [{"name": "MLFLOW_TRACKING_URI",
+                                                                      "value": "http://x:5000"}]
+    assert {"name": "A", "value": "1"} in env
+
+
+def test_main_render_yaml():
+    docs = list(yaml.safe_load_all(kj.main_render("sft", nnodes=2, gpus=8)))
+    assert [d["kind"] for d in docs] == ["Service", "Job"]
+    (job,) = yaml.safe_load_all(kj.main_render("prepare"))
+    assert job == kj.render_stage_job("prepare")
+    (pj,) = yaml.safe_load_all(kj.main_render("rlhf", kind="pytorchjob", nnodes=3, gpus=2))
+    assert pj["kind"] == "PyTorchJob" and pj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+
+
+def test_log_follower_skips_lines_already_seen():
+    emitted: list[str] = []
+
+    class Core:
+        bodies = ["2025-01-01T00:00:01Z a\n2025-01-01T00:00:01Z b\n",
+                  "2025-01-01T00:00:01Z a\n2025-01-01T00:00:01Z b\n2025-01-01T00:00:01Z c\n2025-01-01T00:00:01.1Z d\n"]
+
+        def read_namespaced_pod_log(self, *a, **kw):
+            return self.bodies.pop(0)
+
+    follower = kj._LogFollower(Core(), NS, "rlhf", emitted.append)
+    follower.poll("p")
+    follower.poll("p")
+    assert emitted == ["a", "b", "c", "d"]
+
+
+def test_module_imports_without_kubernetes_or_prefect():
+    code = ("import sys\n"
+            "for m in ('kubernetes', 'prefect', 'prefect_kubernetes'): sys.modules[m] = None\n"
+            "import tasks.k8s_jobs as k\n"
+            "print(k.main_render('sft')[:20])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("apiVersion: batch/v1")
+
+
+def test_write_manifests_check_reports_stale(tmp_path):
+    pytest.importorskip("prefect_kubernetes", reason="the work-pool template is built from prefect-kubernetes")
+    template = json.loads((REPO / "k8s/prefect/base-job-template.json").read_text())
+    assert kj.write_manifests(tmp_path, check=True)  # nothing written yet: everything stale
+    assert not (tmp_path / "k8s").exists()
+    (tmp_path / "params.yaml").write_text("project: {name: x}\n")
+    written = kj.write_manifests(tmp_path)
+    assert tmp_path / "k8s/base/params.yaml" in written and tmp_path / "k8s/stages/sft/job.yaml" in written
+    assert kj.write_manifests(tmp_path, check=True) == []
+    (tmp_path / "k8s/stages/rm/job.yaml").write_text("edited by hand\n")
+    assert kj.write_manifests(tmp_path, check=True) == [tmp_path / "k8s/stages/rm/job.yaml"]
+    assert json.loads((tmp_path / "k8s/prefect/base-job-template.json").read_text()) == template

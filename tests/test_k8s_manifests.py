@@ -1,0 +1,648 @@
+"""Kubernetes manifests: strict schema validation and the properties the cluster relies on.
+
+What is rendered: every overlay (``kubectl kustomize k8s/overlays/<name>``), every stage kustomization,
+``render_stage_job`` for every stage and shape, and the Prefect work-pool template rendered by Prefect's
+own code.  Schemas: kubernetes-validate's strict schemas for Kubernetes ``K8S_VERSION`` (additional
+properties are errors).  The Kubeflow PyTorchJob has no schema there; it gets a structural check and
+its pod templates are validated strictly as ``PodTemplate`` objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import json
+import re
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks import k8s_jobs as kj
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "k8s"
+OVERLAYS = ("gpu", "cpu-smoke", "multi-node", "pytorchjob")
+GPU_OVERLAYS = ("gpu", "multi-node", "pytorchjob")
+# The newest schema set kubernetes-validate ships that is not newer than the kubectl used here (1.32).
+K8S_VERSION = "1.32"
+SECRETISH = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)|PRIVATE", re.IGNORECASE)
+
+kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the [dev] extra")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache_schemas():
+    """kubernetes-validate re-reads its JSON schemas on every call; read each once (speed only)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kv.utils, "schema_contents", functools.cache(kv.utils.schema_contents))
+        yield
+
+
+def validate_strict(doc: dict) -> None:
+    kv.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_schema_version_is_shipped():
+    versions = kv.utils.all_versions()
+    assert any(v.startswith(K8S_VERSION + ".") for v in versions), versions
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rendering helpers
+# ------------------------------------------------------------------------------------------------------------------
+@functools.cache
+def _kustomize(path: str) -> tuple:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: overlays are rendered with `kubectl kustomize`")
+    proc = subprocess.run([kubectl, "kustomize", str(K8S / path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize k8s/{path} failed:\n{proc.stderr}"
+    return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
+
+
+def kustomize(path: str) -> list[dict]:
+    return copy.deepcopy(list(_kustomize(path)))
+
+
+def of_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_templates(doc: dict) -> list[dict]:
+    """(pod template spec dicts) of a workload: Job, Deployment, PyTorchJob replicas."""
+    if doc["kind"] in ("Job", "Deployment"):
+        return [doc["spec"]["template"]]
+    if doc["kind"] == "PyTorchJob":
+        return [r["template"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
+    return []
+
+
+def stage_containers(doc: dict) -> list[dict]:
+    return [c for t in pod_templates(doc) for c in t["spec"]["containers"] if c["name"] in ("rlhf", "pytorch")]
+
+
+def stage_workloads(docs) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Job", "PyTorchJob")]
+
+
+def validate_pytorchjob(doc: dict) -> None:
+    """Structural check of a kubeflow.org/v1 PyTorchJob (no schema available) + strict pod templates."""
+    assert doc["apiVersion"] == "kubeflow.org/v1" and doc["kind"] == "PyTorchJob"
+    assert doc["metadata"]["name"] and doc["metadata"]["namespace"]
+    spec = doc["spec"]
+    assert set(spec) <= {"pytorchReplicaSpecs", "runPolicy", "nprocPerNode", "elasticPolicy"}, set(spec)
+    assert isinstance(spec.get("nprocPerNode", "1"), str), "nprocPerNode is a string in kubeflow.org/v1"
+    assert set(spec["runPolicy"]) <= {"cleanPodPolicy", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
+                                      "backoffLimit", "schedulingPolicy", "suspend", "managedBy"}
+    assert spec["runPolicy"]["cleanPodPolicy"] in ("None", "All", "Running")
+    replicas = spec["pytorchReplicaSpecs"]
+    assert set(replicas) <= {"Master", "Worker"} and replicas["Master"]["replicas"] == 1
+    for role, rs in replicas.items():
+        assert set(rs) <= {"replicas", "restartPolicy", "template"}, (role, set(rs))
+        assert rs["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+        names = [c["name"] for c in rs["template"]["spec"]["containers"]]
+        assert "pytorch" in names, f"{role}: the training operator requires a container named 'pytorch'"
+        validate_strict({"apiVersion": "v1", "kind": "PodTemplate",
+                         "metadata": {"name": f"{doc['metadata']['name']}-{role.lower()}"},
+                         "template": rs["template"]})
+
+
+def validate_any(doc: dict) -> None:
+    if doc["kind"] == "PyTorchJob":
+        validate_pytorchjob(doc)
+    else:
+        validate_strict(doc)
+
+
+RENDER_VARIANTS = {
+    "default": {},
+    "cpu": {"gpus": 0, "image": kj.DEFAULT_CPU_IMAGE},
+    "4gpu": {"gpus": 4},
+    "2x8gpu": {"nnodes": 2, "gpus": 8},
+    "custom": {"gpus": 2, "nproc_per_node": 2, "params_path": "configs/gpu.yaml", "name": "my-sft",
+               "node_selector": {"gpu": "a100"}, "tolerations": [], "env": {"RLHF_PARENT_RUN_ID": "abc"},
+               "seed_params": False},
+}
+
+
+def render_variant(stage: str, variant: str) -> list[dict]:
+    kw = dict(RENDER_VARIANTS[variant])
+    if stage == "prepare":
+        kw = {k: v for k, v in kw.items() if k not in ("nnodes", "nproc_per_node")}
+    return kj.render_stage_resources(stage, **kw)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Strict schema validation
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_strictly(overlay):
+    docs = kustomize(f"overlays/{overlay}")
+    assert docs
+    for doc in docs:
+        validate_any(doc)
+
+
+@pytest.mark.parametrize("stage", kj.STAGES)
+def test_stage_kustomization_validates_strictly(stage):
+    docs = kustomize(f"stages/{stage}")
+    assert [d["kind"] for d in docs] == ["Job"]
+    validate_strict(docs[0])
+
+
+def test_base_validates_strictly():
+    for doc in kustomize("base"):
+        validate_strict(doc)
+
+
+@pytest.mark.parametrize("variant", RENDER_VARIANTS)
+@pytest.mark.parametrize("stage", kj.STAGES)
+def test_render_stage_job_validates_strictly(stage, variant):
+    for doc in render_variant(stage, variant):
+        validate_strict(doc)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "rlhf", "evaluate"])
+def test_render_pytorchjob_validates(stage):
+    validate_pytorchjob(kj.render_pytorchjob(stage, nnodes=3, gpus=4))
+
+
+def test_strict_validation_rejects_unknown_fields():
+    """Guard: the validator really is strict (a typo'd field fails), so the passes above mean something."""
+    job = kj.render_stage_job("sft")
+    job["spec"]["template"]["spec"]["containers"][0]["gpuLimit"] = 1
+    with pytest.raises(kv.ValidationError):
+        validate_strict(job)
+    job = kj.render_stage_job("sft")
+    job["spec"]["template"]["spec"]["volumes"][0]["emptyDir"] = {"medium": "Memory", "size": "1Gi"}
+    with pytest.raises(kv.ValidationError):
+        validate_strict(job)
+    bad = kj.render_pytorchjob("sft")
+    bad["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    with pytest.raises(AssertionError, match="pytorch"):
+        validate_pytorchjob(bad)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One source for the Job shape: kustomize output == render_stage_job
+# ------------------------------------------------------------------------------------------------------------------
+def _normalised(doc: dict) -> dict:
+    """Volumes by name (a strategic-merge patch may reorder that list; order carries no meaning there)."""
+    doc = copy.deepcopy(doc)
+    for t in pod_templates(doc):
+        t["spec"]["volumes"] = sorted(t["spec"].get("volumes", []), key=lambda v: v["name"])
+    return doc
+
+
+@pytest.mark.parametrize("stage", kj.STAGES)
+def test_stage_kustomization_equals_render(stage):
+    assert kustomize(f"stages/{stage}") == [kj.render_stage_job(stage)]
+
+
+def test_gpu_overlay_job_equals_render():
+    assert of_kind(kustomize("overlays/gpu"), "Job") == [kj.render_stage_job(kj.GPU_OVERLAY_STAGE)]
+
+
+def test_cpu_smoke_overlay_job_equals_render():
+    """The hand-written CPU patch yields exactly what render_stage_job renders for gpus=0 and the CPU image."""
+    kw = {k: v for k, v in kj.CPU_SMOKE.items() if k != "stage"}
+    (job,) = of_kind(kustomize("overlays/cpu-smoke"), "Job")
+    assert _normalised(job) == _normalised(kj.render_stage_job(kj.CPU_SMOKE["stage"], **kw))
+
+
+def test_multi_node_overlay_equals_render():
+    docs = kustomize("overlays/multi-node")
+    expected = kj.multi_node_resources()
+    assert of_kind(docs, "Job") == of_kind(expected, "Job")
+    assert [s for s in of_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"] == of_kind(expected,
+                                                                                                      "Service")
+
+
+def test_pytorchjob_overlay_equals_render():
+    assert of_kind(kustomize("overlays/pytorchjob"), "PyTorchJob") == [kj.pytorchjob_resource()]
+
+
+def test_generated_files_are_current():
+    pytest.importorskip("prefect_kubernetes", reason="the work-pool template is built from prefect-kubernetes")
+    stale = kj.write_manifests(REPO, check=True)
+    assert not stale, ("stale generated files (run `python -m tasks.k8s_jobs write-manifests`): "
+                       + ", ".join(str(p.relative_to(REPO)) for p in stale))
+
+
+@pytest.mark.parametrize("src,copy_", sorted(kj.PARAMS_COPIES.items()))
+def test_params_copies_identical(src, copy_):
+    if not (REPO / src).is_file():
+        pytest.skip(f"{src} does not exist (yet)")
+    assert (REPO / copy_).read_text() == (REPO / src).read_text(), (
+        f"{copy_} differs from {src}; re-copy with `python -m tasks.k8s_jobs write-manifests`")
+
+
+def test_overlay_params_configmaps():
+    def params_of(overlay):
+        (cm,) = [c for c in of_kind(kustomize(f"overlays/{overlay}"), "ConfigMap")
+                 if c["metadata"]["name"] == kj.PARAMS_CONFIGMAP]
+        return yaml.safe_load(cm["data"]["params.yaml"])
+
+    assert params_of("cpu-smoke") == yaml.safe_load((K8S / "base/params.yaml").read_text())
+    gpu = yaml.safe_load((K8S / "components/gpu-params/params.yaml").read_text())
+    for overlay in GPU_OVERLAYS:
+        assert params_of(overlay) == gpu
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Semantics
+# ------------------------------------------------------------------------------------------------------------------
+RENDERED = ([f"overlay:{o}" for o in OVERLAYS] + [f"render:{s}:{v}" for s in kj.STAGES for v in RENDER_VARIANTS]
+            + ["render:pytorchjob"])
+
+
+def rendered(label: str) -> list[dict]:
+    """Docs for a RENDERED label: an overlay, a render_stage_job variant, or a PyTorchJob."""
+    kind, _, rest = label.partition(":")
+    if kind == "overlay":
+        return kustomize(f"overlays/{rest}")
+    if rest == "pytorchjob":
+        return [kj.render_pytorchjob("rlhf", nnodes=4, gpus=8)]
+    stage, _, variant = rest.partition(":")
+    return render_variant(stage, variant)
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_gpu_overlays_request_gpus(overlay):
+    workloads = stage_workloads(kustomize(f"overlays/{overlay}"))
+    assert workloads
+    for doc in workloads:
+        for t in pod_templates(doc):
+            (c,) = [c for c in t["spec"]["containers"] if c["name"] in ("rlhf", "pytorch")]
+            limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+            assert int(limits[kj.GPU_RESOURCE]) >= 1 and limits[kj.GPU_RESOURCE] == requests[kj.GPU_RESOURCE]
+            assert t["spec"]["nodeSelector"] and t["spec"]["tolerations"]
+            assert any(tol.get("key") == kj.GPU_RESOURCE for tol in t["spec"]["tolerations"])
+
+
+def test_cpu_smoke_has_no_gpu_anything():
+    docs = kustomize("overlays/cpu-smoke")
+    assert kj.GPU_RESOURCE not in json.dumps(docs), "nvidia.com/gpu found in the cpu-smoke overlay"
+    for doc in stage_workloads(docs):
+        for t in pod_templates(doc):
+            assert "nodeSelector" not in t["spec"] and "tolerations" not in t["spec"]
+            for c in t["spec"]["containers"]:
+                assert int(c["resources"]["requests"]["cpu"]) <= 4
+                assert c["image"].endswith("-cpu")
+
+
+@pytest.mark.parametrize("label", RENDERED)
+def test_stage_pods_mount_memory_backed_shm(label):
+    docs = rendered(label)
+    for doc in stage_workloads(docs):
+        for t in pod_templates(doc):
+            volumes = {v["name"]: v for v in t["spec"]["volumes"]}
+            for c in stage_containers({"kind": "Job", "spec": {"template": t}}):
+                (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+                assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+                assert volumes[mount["name"]]["emptyDir"]["sizeLimit"]
+
+
+@pytest.mark.parametrize("label", RENDERED)
+def test_pods_run_as_non_root(label):
+    docs = rendered(label)
+    for doc in docs:
+        for t in pod_templates(doc):
+            pod_sc = t["spec"].get("securityContext", {})
+            assert pod_sc.get("seccompProfile", {}).get("type") == "RuntimeDefault", doc["metadata"]["name"]
+            for c in t["spec"]["containers"] + t["spec"].get("initContainers", []):
+                sc = c.get("securityContext", {})
+                run_as_non_root = sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
+                uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
+                assert run_as_non_root is True and uid == kj.RUN_AS_UID, (label, c["name"])
+                assert sc.get("allowPrivilegeEscalation") is False, (label, c["name"])
+                assert sc.get("capabilities", {}).get("drop") == ["ALL"], (label, c["name"])
+                assert not sc.get("privileged", False)
+
+
+@pytest.mark.parametrize("label", RENDERED)
+def test_no_secret_values(label):
+    docs = rendered(label)
+    assert not [d for d in docs if d["kind"] == "Secret"], "manifests must reference Secrets, not contain them"
+    for doc in docs:
+        for t in pod_templates(doc):
+            for c in t["spec"]["containers"] + t["spec"].get("initContainers", []):
+                for e in c.get("env", []):
+                    if SECRETISH.search(e["name"]):
+                        assert "value" not in e, f"{label}: env {e['name']} has a literal value"
+                        assert "secretKeyRef" in e["valueFrom"], f"{label}: {e['name']} not from a Secret"
+                    value = str(e.get("value", ""))
+                    assert not re.search(r"://[^/\s:@]+:[^/\s@]+@", value), f"{label}: credentials in URL {value}"
+                    assert not re.fullmatch(r"[A-Za-z0-9+/_=-]{32,}", value), f"{label}: {e['name']} looks like a key"
+
+
+def test_secret_references_are_the_documented_keys():
+    documented = set(re.findall(r"^#?\s?([A-Z][A-Z0-9_]+)=", (K8S / "base/secrets.example.env").read_text(), re.M))
+    for label in RENDERED:
+        for doc in rendered(label):
+            for t in pod_templates(doc):
+                for c in t["spec"]["containers"]:
+                    for e in c.get("env", []):
+                        ref = e.get("valueFrom", {}).get("secretKeyRef")
+                        if ref:
+                            assert ref["name"] == kj.CREDENTIALS_SECRET
+                            assert ref["key"] in documented, f"{ref['key']} missing from secrets.example.env"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_one_image_tag_per_overlay(overlay):
+    images = [c["image"] for d in kustomize(f"overlays/{overlay}") for t in pod_templates(d)
+              for c in t["spec"]["containers"] + t["spec"].get("initContainers", [])]
+    for image in images:
+        name, _, tag = image.rpartition(":")
+        assert name and tag and tag != "latest" and "/" not in tag, f"unpinned image {image}"
+    ours = {i for i in images if i.startswith(kj.IMAGE_REPO + ":")}
+    assert len(ours) == 1, f"{overlay}: several rlhf-ops images {ours}"
+    assert ours == {kj.DEFAULT_CPU_IMAGE if overlay == "cpu-smoke" else kj.DEFAULT_GPU_IMAGE}
+
+
+@pytest.mark.parametrize("label", RENDERED)
+def test_container_command_is_the_stage_cli(label):
+    docs = rendered(label)
+    for doc in stage_workloads(docs):
+        stage = doc["metadata"]["labels"]["rlhf-ops/stage"]
+        for c in stage_containers(doc):
+            cmd = c["command"]
+            tail = cmd[cmd.index("stage"):] if "stage" in cmd else []
+            assert tail[:2] == ["stage", stage], cmd
+            assert tail[2:] in ([], ["-p", tail[-1]]), cmd
+            head = cmd[:len(cmd) - len(tail)]
+            assert head == ["rlhf"] or (head[0] == "torchrun" and head[-2:] == ["-m", "rlhf_core.cli"]), cmd
+            assert "args" not in c, "the command is complete; args would be appended to it"
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in cmd if a.startswith(f"--{name}=")]
+    return value
+
+
+def _check_indexed_job(job: dict, services: list[dict]) -> None:
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (c,) = stage_containers(job)
+    cmd = c["command"]
+    assert cmd[0] == "torchrun"
+    nnodes = int(_flag(cmd, "nnodes"))
+    assert nnodes > 1 and spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nnodes
+    assert _flag(cmd, "node_rank") == "$(JOB_COMPLETION_INDEX)"
+    (idx,) = [e for e in c["env"] if e["name"] == "JOB_COMPLETION_INDEX"]
+    assert idx["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    # rendezvous at pod 0: Indexed pods are named <job>-<index>; the subdomain is the headless Service
+    assert _flag(cmd, "master_addr") == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    (svc,) = [s for s in services if s["metadata"]["name"] == pod["subdomain"]]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["metadata"]["namespace"] == job["metadata"]["namespace"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"] and all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    assert int(_flag(cmd, "master_port")) in [p["port"] for p in svc["spec"]["ports"]]
+    assert int(_flag(cmd, "nproc_per_node")) == int(c["resources"]["limits"][kj.GPU_RESOURCE])
+    assert pod["restartPolicy"] == "Never"
+
+
+def test_multi_node_overlay_wiring():
+    docs = kustomize("overlays/multi-node")
+    (job,) = of_kind(docs, "Job")
+    _check_indexed_job(job, of_kind(docs, "Service"))
+    assert job["spec"]["completions"] == kj.MULTI_NODE["nnodes"]
+
+
+@pytest.mark.parametrize("nnodes,gpus", [(2, 1), (3, 8), (16, 4)])
+def test_render_multi_node_wiring(nnodes, gpus):
+    docs = kj.render_stage_resources("rlhf", nnodes=nnodes, gpus=gpus, name="rlhf-x")
+    (job,) = of_kind(docs, "Job")
+    _check_indexed_job(job, of_kind(docs, "Service"))
+
+
+def test_pytorchjob_overlay_wiring():
+    (pj,) = of_kind(kustomize("overlays/pytorchjob"), "PyTorchJob")
+    replicas = pj["spec"]["pytorchReplicaSpecs"]
+    nnodes = sum(r["replicas"] for r in replicas.values())
+    assert nnodes == kj.PYTORCHJOB["nnodes"]
+    for r in replicas.values():
+        (c,) = [c for c in r["template"]["spec"]["containers"] if c["name"] == "pytorch"]
+        cmd = c["command"]
+        assert int(_flag(cmd, "nnodes")) == nnodes
+        assert _flag(cmd, "node_rank") == "$(RANK)" and _flag(cmd, "master_addr") == "$(MASTER_ADDR)"
+        assert int(_flag(cmd, "nproc_per_node")) == int(c["resources"]["limits"][kj.GPU_RESOURCE]) \
+            == int(pj["spec"]["nprocPerNode"])
+        assert {"name": "pytorchjob-port", "containerPort": kj.MASTER_PORT, "protocol": "TCP"} in c["ports"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_job_lifecycle_fields(overlay):
+    for doc in stage_workloads(kustomize(f"overlays/{overlay}")):
+        spec = doc["spec"] if doc["kind"] == "Job" else doc["spec"]["runPolicy"]
+        assert 0 < spec["activeDeadlineSeconds"] <= 7 * 24 * 3600
+        assert 0 <= spec["backoffLimit"] <= 3
+        assert spec["ttlSecondsAfterFinished"] > 0
+        for t in pod_templates(doc):
+            assert t["spec"]["automountServiceAccountToken"] is False
+            assert t["spec"]["serviceAccountName"] == kj.STAGE_SERVICE_ACCOUNT
+        if doc["kind"] == "Job":
+            rules = doc["spec"]["podFailurePolicy"]["rules"]
+            assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_references_resolve_within_overlay(overlay):
+    """Every ConfigMap, PVC and ServiceAccount a pod references is part of the overlay (Secrets: user-made)."""
+    docs = kustomize(f"overlays/{overlay}")
+    have = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
+    assert namespaces == {kj.NAMESPACE} and ("Namespace", kj.NAMESPACE) in have
+    for doc in docs:
+        for t in pod_templates(doc):
+            spec = t["spec"]
+            assert ("ServiceAccount", spec["serviceAccountName"]) in have
+            for v in spec.get("volumes", []):
+                if "configMap" in v:
+                    assert ("ConfigMap", v["configMap"]["name"]) in have
+                if "persistentVolumeClaim" in v:
+                    assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in have
+            for c in spec["containers"] + spec.get("initContainers", []):
+                for e in c.get("env", []):
+                    ref = e.get("valueFrom", {}).get("configMapKeyRef")
+                    if ref:
+                        (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == ref["name"]]
+                        assert ref["key"] in cm["data"]
+                mounts = {m["name"] for m in c.get("volumeMounts", [])}
+                assert mounts <= {v["name"] for v in spec.get("volumes", [])}
+    if stage_workloads(docs):
+        (pvc,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == kj.WORKSPACE_PVC]
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+        for doc in stage_workloads(docs):
+            for c in stage_containers(doc):
+                assert {"name": "workspace", "mountPath": "/workspace"} in c["volumeMounts"]
+
+
+def test_stage_params_come_from_the_configmap():
+    job = kj.render_stage_job("rm")
+    pod = job["spec"]["template"]["spec"]
+    (seed,) = pod["initContainers"]
+    assert "/etc/rlhf/params.yaml" in seed["command"][-1] and '"/workspace/params.yaml"' in seed["command"][-1]
+    (params,) = [v for v in pod["volumes"] if v["name"] == "params"]
+    assert params["configMap"]["name"] == kj.PARAMS_CONFIGMAP
+    assert pod["containers"][0]["workingDir"] == "/workspace"
+
+
+def test_rbac():
+    docs = kustomize("base")
+    roles = {d["metadata"]["name"]: d for d in of_kind(docs, "Role")}
+    bindings = of_kind(docs, "RoleBinding")
+
+    def allowed(role, group, resource, verb):
+        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+                   for r in roles[role]["rules"])
+
+    need = [("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")]
+    need += [("", "pods", v) for v in ("get", "list", "watch")] + [("", "pods/log", "get")]
+    need += [("", "events", v) for v in ("list", "watch")]
+    for role in ("prefect-worker", kj.FLOW_SERVICE_ACCOUNT):
+        for group, resource, verb in need:
+            assert allowed(role, group, resource, verb), (role, group, resource, verb)
+    assert allowed(kj.FLOW_SERVICE_ACCOUNT, "", "services", "create")  # headless Service of multi-node stages
+    for role in roles.values():
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+            assert "secrets" not in rule["resources"]
+    bound = {(b["roleRef"]["name"], s["name"]) for b in bindings for s in b["subjects"]}
+    assert bound == {("prefect-worker", "prefect-worker"), (kj.FLOW_SERVICE_ACCOUNT, kj.FLOW_SERVICE_ACCOUNT)}
+    accounts = {d["metadata"]["name"]: d for d in of_kind(docs, "ServiceAccount")}
+    assert accounts[kj.STAGE_SERVICE_ACCOUNT]["automountServiceAccountToken"] is False
+
+
+def test_mlflow_server():
+    docs = kustomize("base")
+    (dep,) = of_kind(docs, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    name, _, tag = c["image"].rpartition(":")
+    assert name == "ghcr.io/mlflow/mlflow" and re.fullmatch(r"v\d+\.\d+\.\d+(-full)?", tag)
+    constraints = REPO / "constraints.txt"
+    if constraints.is_file():
+        pin = re.search(r"^mlflow==(\S+)$", constraints.read_text(), re.M)
+        assert pin and tag.removeprefix("v").removesuffix("-full") == pin.group(1), "server != client version"
+    env = {e["name"]: e for e in c["env"]}
+    # `mlflow server` reads --backend-store-uri from MLFLOW_BACKEND_STORE_URI; it comes from the Secret
+    assert env["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]["name"] == kj.CREDENTIALS_SECRET
+    assert "--artifacts-destination=$(MLFLOW_ARTIFACTS_DESTINATION)" in c["args"] and "--serve-artifacts" in c["args"]
+    assert any(a.startswith("--allowed-hosts=rlhf-mlflow") for a in c["args"])
+    (svc,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == "rlhf-mlflow"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == kj.ENDPOINTS_CONFIGMAP]
+    assert cm["data"]["MLFLOW_TRACKING_URI"] == f"http://rlhf-mlflow:{svc['spec']['ports'][0]['port']}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Prefect work-pool base job template
+# ------------------------------------------------------------------------------------------------------------------
+SAMPLE_VALUES = {
+    "gpu_count": 4,
+    "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+    "shm_size": "32Gi",
+    "workspace_pvc": "team-a-workspace",
+    "image": "registry.example.com/rlhf-ops:0.1.0-gpu",
+    "cpu_request": "16",
+    "memory_limit": "200Gi",
+    "env": {"RLHF_EXAMPLE": "1"},
+}
+# Where each added variable must land in the Job manifest.
+LANDING = {
+    "gpu_count": lambda m: [m["spec"]["template"]["spec"]["containers"][0]["resources"][k][kj.GPU_RESOURCE]
+                            for k in ("limits", "requests")],
+    "node_selector": lambda m: [m["spec"]["template"]["spec"]["nodeSelector"]],
+    "tolerations": lambda m: [m["spec"]["template"]["spec"]["tolerations"]],
+    "shm_size": lambda m: [v["emptyDir"]["sizeLimit"] for v in m["spec"]["template"]["spec"]["volumes"]
+                           if v["name"] == "dshm"],
+    "workspace_pvc": lambda m: [v["persistentVolumeClaim"]["claimName"]
+                                for v in m["spec"]["template"]["spec"]["volumes"] if v["name"] == "workspace"],
+}
+# Fields prefect-kubernetes' validator insists on in the *pod* spec (they belong to the Job spec); the API
+# server drops unknown fields with a warning (fieldValidation=Warn is the default for API clients).
+PREFECT_QUIRK_FIELDS = ("completions", "parallelism")
+
+
+def _work_pool_template() -> dict:
+    return json.loads((K8S / "prefect/base-job-template.json").read_text())
+
+
+def _render_work_pool(values: dict) -> dict:
+    """Render the template exactly as a Prefect Kubernetes worker does for a flow run (no API calls)."""
+    pytest.importorskip("prefect_kubernetes")
+    from prefect.client.schemas.objects import FlowRun
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    class NoClient:  # the template has no block/variable placeholders, so Prefect must not need its API
+        def __getattr__(self, name):
+            raise AssertionError(f"template rendering used the Prefect API ({name})")
+
+    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(
+        _work_pool_template(), values, client=NoClient()))
+    config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="sample-run"))
+    return config.job_manifest
+
+
+def test_work_pool_template_extends_prefect_default():
+    pytest.importorskip("prefect_kubernetes")
+    from prefect_kubernetes.worker import KubernetesWorker
+
+    default = KubernetesWorker.get_default_base_job_template()
+    ours = _work_pool_template()
+    assert set(default["variables"]["properties"]) < set(ours["variables"]["properties"])
+    assert set(ours["variables"]["properties"]) - set(default["variables"]["properties"]) == set(kj.WORK_POOL_VARIABLES)
+    assert set(ours["job_configuration"]) == set(default["job_configuration"])
+
+
+def test_every_work_pool_variable_is_used():
+    """Prefect silently drops a variable nothing in job_configuration references."""
+    from prefect.utilities.templating import find_placeholders
+
+    template = _work_pool_template()
+    used = {p.name for p in find_placeholders(json.dumps(template["job_configuration"]))}
+    manifest_used = {p.name for p in find_placeholders(json.dumps(template["job_configuration"]["job_manifest"]))}
+    assert set(template["variables"]["properties"]) <= used
+    assert set(kj.WORK_POOL_VARIABLES) <= manifest_used
+
+
+def test_work_pool_variables_land_in_the_manifest():
+    manifest = _render_work_pool(SAMPLE_VALUES)
+    for var, where in LANDING.items():
+        found = where(manifest)
+        assert found and all(v == SAMPLE_VALUES[var] for v in found), (var, found)
+        default = kj.WORK_POOL_VARIABLES[var]["default"]
+        assert default != SAMPLE_VALUES[var], f"sample for {var} equals the default: the check would prove nothing"
+    pod = manifest["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == SAMPLE_VALUES["image"] and pod["initContainers"][0]["image"] == SAMPLE_VALUES["image"]
+    assert c["resources"]["requests"]["cpu"] == "16" and c["resources"]["limits"]["memory"] == "200Gi"
+    assert {"name": "RLHF_EXAMPLE", "value": "1"} in c["env"]
+    assert c["command"] == ["/usr/bin/env"] and c["args"][:2] == ["prefect", "flow-run"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+
+
+@pytest.mark.parametrize("values", [{}, SAMPLE_VALUES], ids=["defaults", "sample"])
+def test_work_pool_manifest_validates_strictly(values):
+    manifest = _render_work_pool(values)
+    pod = manifest["spec"]["template"]["spec"]
+    assert all(pod.get(f) == 1 for f in PREFECT_QUIRK_FIELDS)
+    with pytest.raises(kv.ValidationError, match="|".join(PREFECT_QUIRK_FIELDS)):
+        validate_strict(manifest)
+    for f in PREFECT_QUIRK_FIELDS:  # the only strict-schema deviation: Prefect's own required quirk
+        del pod[f]
+    validate_strict(manifest)
+    namespace = manifest["metadata"]["namespace"]
+    assert namespace == kj.NAMESPACE and pod["serviceAccountName"] == kj.FLOW_SERVICE_ACCOUNT
+    if not values:
+        assert pod["containers"][0]["resources"]["limits"][kj.GPU_RESOURCE] == 0
+        assert pod["nodeSelector"] == {} and pod["tolerations"] == []
