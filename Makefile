@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint install docs clean
+.PHONY: demo test lint install generated clean
 
 demo: $(STAMP)
 	$(BIN)/rlhf run
@@ -29,8 +29,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-docs: $(STAMP)
+# files derived from the code and params.yaml (tests fail when they are stale)
+generated: $(STAMP)
 	$(BIN)/rlhf params docs > docs/params.md
+	$(BIN)/rlhf k8s write-manifests
 
 clean:
 	rm -rf .rlhf data/prepared models checkpoints metrics plots reports dvc.lock

@@ -181,6 +181,51 @@ def deploy_cmd(
     raise typer.Exit(proc.returncode)
 
 
+k8s_app = typer.Typer(help="Kubernetes: render stage Jobs, regenerate the generated manifests.", no_args_is_help=True)
+app.add_typer(k8s_app, name="k8s")
+
+
+@k8s_app.command("render")
+def k8s_render(
+    stage: str = typer.Argument(..., help="prepare | sft | rm | rlhf | evaluate."),
+    kind: str = typer.Option("job", help="job (a batch/v1 Job; Indexed + headless Service when nnodes > 1) "
+                                         "or pytorchjob (Kubeflow)."),
+    gpus: int = typer.Option(None, help="GPUs per node (default: 0 for prepare, 1 otherwise)."),
+    nnodes: int = typer.Option(1, help="Nodes (pods) for multi-node training."),
+    nproc_per_node: int = typer.Option(None, help="Processes per node (default: gpus)."),
+    image: str = typer.Option(None, help="Image (default: the pinned GPU image)."),
+    namespace: str = typer.Option("rlhf", help="Namespace."),
+) -> None:
+    """Print the manifest that runs one stage (the same the kubernetes backend submits).
+
+    Example: rlhf k8s render sft --gpus 8 | kubectl apply -f -
+    """
+    from tasks.k8s_jobs import main_render
+
+    kw = {k: v for k, v in {"gpus": gpus, "nproc_per_node": nproc_per_node, "image": image}.items() if v is not None}
+    if kind == "job" or nnodes != 1:
+        kw["nnodes"] = nnodes
+    try:
+        sys.stdout.write(main_render(stage, kind=kind, namespace=namespace, **kw))
+    except ValueError as err:
+        _fail(str(err))
+
+
+@k8s_app.command("write-manifests")
+def k8s_write_manifests(check: bool = typer.Option(False, "--check", help="Only report stale files; exit 1.")) -> None:
+    """Regenerate k8s/ files derived from params.yaml and the Job template (stage Jobs, work-pool template).
+
+    Example: rlhf k8s write-manifests --check
+    """
+    from tasks.k8s_jobs import write_manifests
+
+    stale = write_manifests(".", check=check)
+    for path in stale:
+        console.print(f"{'stale' if check else 'wrote'}: {path}")
+    if check and stale:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -26,11 +26,15 @@ from tasks.registry import CHAMPION, alias_version, promote_task, record_gate, r
 from tasks.stages import STAGE_ORDER, run_stage
 
 EVAL_REPORT = paths.REPORTS / "eval.json"
+# a stage task may run as long as its Job's activeDeadlineSeconds on a cluster; locally 4 h
+STAGE_TIMEOUT_S = {"local": 4 * 3600, "kubernetes": 72 * 3600}
 MODEL_DIRS = {"actor": paths.ACTOR_MODEL, "critic": paths.CRITIC_MODEL, "reward": paths.RM_MODEL}
 
 
 def pipeline_stages(root: Path) -> list[str]:
-    """The stages ``dvc.yaml`` defines, in pipeline order."""
+    """The stages ``dvc.yaml`` defines, in pipeline order (all of them where there is no dvc.yaml, e.g. on k8s)."""
+    if not (root / "dvc.yaml").exists():
+        return list(STAGE_ORDER)
     defined = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
     return [s for s in STAGE_ORDER if s in defined]
 
@@ -88,7 +92,8 @@ def rlhf_pipeline(
         champion = alias_version(f"{prefix}-actor", CHAMPION)
         if champion:
             env["RLHF_CHAMPION_URI"] = f"models:/{prefix}-actor/{champion}"
-        stage_task = run_stage.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_s))
+        stage_task = run_stage.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_s),
+                                            timeout_seconds=STAGE_TIMEOUT_S[backend])
         for stage in STAGE_ORDER:
             if stage in wanted:
                 summary["stages"].append(stage_task(stage, root=str(root_path), backend=backend, env=env,

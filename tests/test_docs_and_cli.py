@@ -62,3 +62,22 @@ def test_stage_cli_errors_name_the_key(tmp_path):
 def test_help_has_examples(tmp_path):
     proc = _rlhf("stage", "--help", cwd=tmp_path)
     assert proc.returncode == 0 and "Example: rlhf stage prepare" in proc.stdout
+
+
+def test_k8s_render_cli_prints_the_submitted_manifest(tmp_path):
+    import yaml
+
+    from tasks.k8s_jobs import render_stage_resources
+
+    proc = _rlhf("k8s", "render", "sft", "--gpus", "2", "--nnodes", "2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    docs = list(yaml.safe_load_all(proc.stdout))
+    assert docs == render_stage_resources("sft", gpus=2, nnodes=2)
+    assert [d["kind"] for d in docs] == ["Service", "Job"]
+    proc = _rlhf("k8s", "render", "nope", cwd=tmp_path)
+    assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+def test_generated_k8s_files_are_current():
+    proc = _rlhf("k8s", "write-manifests", "--check", cwd=REPO)
+    assert proc.returncode == 0, f"stale generated files (run `make generated`):\n{proc.stderr}"
