@@ -21,6 +21,7 @@ from prefect.tasks import exponential_backoff
 
 from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
+from rlhf_core.stages.evaluate import CHAMPION_ENV
 from tasks.gates import evaluation_gate
 from tasks.registry import CHAMPION, alias_version, promote_task, record_gate, register_models
 from tasks.stages import STAGE_ORDER, run_stage
@@ -37,6 +38,17 @@ def pipeline_stages(root: Path) -> list[str]:
         return list(STAGE_ORDER)
     defined = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
     return [s for s in STAGE_ORDER if s in defined]
+
+
+def champion_changed(root: Path, champion_uri: str | None) -> bool:
+    """True when the last eval report compared against another champion than the current one.
+
+    DVC cannot see the registry, so the flow forces ``evaluate`` when the champion moved.
+    """
+    report = root / EVAL_REPORT
+    if not report.exists():
+        return False
+    return json.loads(report.read_text()).get("champion_label") != champion_uri
 
 
 def _run_name() -> str:
@@ -91,13 +103,14 @@ def rlhf_pipeline(
                tracking.ENV_TRACKING: "on"}
         champion = alias_version(f"{prefix}-actor", CHAMPION)
         if champion:
-            env["RLHF_CHAMPION_URI"] = f"models:/{prefix}-actor/{champion}"
+            env[CHAMPION_ENV] = f"models:/{prefix}-actor/{champion}"
         stage_task = run_stage.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_s),
                                             timeout_seconds=STAGE_TIMEOUT_S[backend])
         for stage in STAGE_ORDER:
             if stage in wanted:
+                rerun = force or (stage == "evaluate" and champion_changed(root_path, env.get(CHAMPION_ENV)))
                 summary["stages"].append(stage_task(stage, root=str(root_path), backend=backend, env=env,
-                                                    force=force))
+                                                    force=rerun))
         create_table_artifact(_metric_rows(summary["stages"]), key="stage-metrics",
                               description="Per-stage status, wall time and metrics")
 
