@@ -11,6 +11,10 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -74,3 +78,26 @@ def prefect_server(tmp: Path):
         api = f"http://127.0.0.1:{port}/api"
         wait_http(f"{api}/health", 120, proc, log)
         yield api, env
+
+
+def project_copy(dst: Path, params: dict | None = None) -> Path:
+    """A git checkout of this project (tracked + untracked files) with ``params`` merged into params.yaml."""
+    import shutil
+
+    dst.mkdir()
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dst / f)
+    current = yaml.safe_load((dst / "params.yaml").read_text())
+
+    def merge(a: dict, b: dict) -> dict:
+        for k, v in b.items():
+            a[k] = merge(a.get(k) or {}, v) if isinstance(v, dict) and not k.endswith("reward_fns") else v
+        return a
+
+    (dst / "params.yaml").write_text(yaml.safe_dump(merge(current, params or {}), sort_keys=False))
+    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+    return dst

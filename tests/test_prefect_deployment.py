@@ -4,38 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.servers import background, prefect_server
+from tests.servers import background, prefect_server, project_copy
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _project_copy(dst: Path) -> Path:
-    """A git checkout of this project (tracked + untracked files) with a small demo params.yaml."""
-    dst.mkdir()
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dst / f)
-    params = yaml.safe_load((dst / "params.yaml").read_text())
-    params["data"]["demo"]["n_rows"] = 300
-    (dst / "params.yaml").write_text(yaml.safe_dump(params))
-    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
-    return dst
-
-
 def test_scheduled_deployment_runs_on_a_process_worker(tmp_path):
-    project = _project_copy(tmp_path / "project")
+    project = project_copy(tmp_path / "project", {"data": {"demo": {"n_rows": 300}}})
     bin_dir = str(Path(sys.executable).parent)
     with prefect_server(tmp_path) as (api, server_env):
         env = {**os.environ, **server_env, "PREFECT_API_URL": api, "RLHF_PROJECT_DIR": str(project),
