@@ -135,24 +135,28 @@ class ModelConfig(_Section):
 
 # --------------------------------------------------------------------------- compute
 class LoraConfig(_Section):
-    enabled: bool = False
-    r: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    only_optimize_lora: bool = True
-    merge_on_save: bool = True
+    enabled: bool = Field(False, description="Train LoRA adapters (peft) on the policy / RM backbone.")
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: int = Field(16, ge=1, description="LoRA alpha (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch.")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      min_length=1, description="Module names that get adapters.")
+    only_optimize_lora: bool = Field(True, description="Freeze everything but the adapters (and a value head).")
+    merge_on_save: bool = Field(True, description="Merge adapters into the weights when saving the final model.")
 
 
 class ComputeConfig(_Section):
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    offload: Literal["none", "cpu"] = Field("none", description="ZeRO optimizer/param offload target.")
+    offload: Literal["none", "cpu"] = Field(
+        "none", description="ZeRO offload target: optimizer state (stage >= 1) and parameters (stage 3).")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="`auto`: bf16 on GPUs that support it, fp32 on CPU.")
     gradient_checkpointing: bool = False
     grad_clip: float = Field(1.0, gt=0.0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 leaves torch's default.")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0: all cores split over local processes.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel passed to transformers.")
 
 
 # --------------------------------------------------------------------------- stages
@@ -166,12 +170,21 @@ class OptimConfig(_Section):
     grad_accum: int = Field(1, ge=1)
     save_every: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
     log_every: int = Field(10, ge=1)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="LR decay after the linear warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a share of `lr` (cosine/linear).")
+    resume: bool = Field(True, description="Continue from `checkpoints/<stage>/` when it matches params and data.")
+    keep_checkpoints: int = Field(1, ge=1, description="Checkpoints kept per stage (oldest deleted first).")
 
 
 class SFTConfig(OptimConfig):
     loss_on_prompt: bool = Field(False, description="Train on prompt tokens too (DeepSpeed-Chat style).")
     packing: bool = Field(False, description="Pack short examples into full-length rows.")
-    epochs: int = Field(8, ge=1)
+    max_length: int | None = Field(
+        None, ge=2, description="Tokens per row (prompt + response + EOS); null: data limits + 2. "
+                                "A prompt this long is an error; longer responses are cut and counted.")
+    epochs: int = Field(12, ge=1)
+    save_every: int = Field(100, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
 
 
 class RMConfig(OptimConfig):
@@ -179,53 +192,106 @@ class RMConfig(OptimConfig):
     margin: float = Field(0.0, ge=0.0, description="Margin m in -log sigmoid(r_c - r_r - m).")
     loss: Literal["sequence", "divergence"] = Field(
         "sequence", description="`divergence`: DeepSpeed-Chat's per-token loss after the first divergence.")
-    lr: float = Field(5e-4, gt=0.0)
-    epochs: int = Field(2, ge=1)
+    max_length: int | None = Field(
+        None, ge=2, description="Tokens per chosen/rejected row; null: data limits + 2. "
+                                "A prompt this long is an error; longer responses are cut and counted.")
+    lr: float = Field(1e-3, gt=0.0)
+    epochs: int = Field(16, ge=1)
+    save_every: int = Field(200, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
 
 
 class PPOConfig(_Section):
-    clip_eps: float = Field(0.2, gt=0.0)
-    value_clip_eps: float = Field(0.2, gt=0.0)
-    dual_clip: float | None = Field(None, gt=1.0)
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    lam: float = Field(0.95, ge=0.0, le=1.0)
-    critic_lr: float = Field(5e-4, gt=0.0)
-    vf_coef: float = Field(1.0, ge=0.0)
-    kl_in: Literal["reward", "loss"] = "reward"
-    advantage_estimator: Literal["gae", "rloo", "reinforce_pp"] = "gae"
+    clip_eps: float = Field(0.2, gt=0.0, description="PPO ratio clip: ratio is clamped to [1 - eps, 1 + eps].")
+    value_clip_eps: float | None = Field(
+        0.2, gt=0.0, description="Critic clip: V is kept within V_old +- eps in the clipped value loss; "
+                                 "null: plain squared error.")
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual-clip constant c > 1 (Ye et al. 2020): caps the loss of negative "
+                                  "advantages at -c * A; null: off.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount over response tokens.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    critic_lr: float = Field(5e-4, gt=0.0, description="Critic learning rate (same warmup/schedule as `rlhf.lr`).")
+    vf_coef: float = Field(1.0, ge=0.0, description="Weight of the value loss.")
+    kl_in: Literal["reward", "loss"] = Field(
+        "reward", description="`reward`: -kl_coef * KL per token in the reward (InstructGPT); "
+                              "`loss`: kl_coef * KL added to the policy loss.")
+    advantage_estimator: Literal["gae", "rloo", "reinforce_pp"] = Field(
+        "gae", description="`gae` trains a critic (from `models/rm`); `rloo` (needs samples_per_prompt >= 2) "
+                           "and `reinforce_pp` are critic-free.")
+    samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt (RLOO's group).")
 
 
 class GRPOConfig(_Section):
-    group_size: int = Field(4, ge=2)
-    beta: float = Field(0.04, ge=0.0)
-    scale: Literal["group", "none"] = "group"
+    group_size: int = Field(4, ge=2, description="G: responses sampled per prompt; advantages are group-relative.")
+    beta: float = Field(0.04, ge=0.0, description="Coefficient of the KL (to the reference) term in the loss.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator in the loss (DeepSeekMath: k3).")
+    clip_eps: float = Field(0.2, gt=0.0, description="Ratio clip of the GRPO surrogate.")
+    scale: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO: centre only).")
 
 
 class RLHFConfig(OptimConfig):
-    algorithm: Literal["ppo", "grpo"] = "ppo"
-    lr: float = Field(2e-4, gt=0.0)
-    prompts_per_step: int = Field(32, ge=1, description="Prompts generated per rollout step.")
-    ppo_epochs: int = Field(1, ge=1)
+    """PPO / GRPO. Optimiser keys (`lr`, `warmup_steps`, ...) count optimizer steps; `epochs` is unused
+    (`num_steps` counts rollout iterations) and `max_steps` > 0 stops early (a later run resumes)."""
+
+    algorithm: Literal["ppo", "grpo"] = Field("ppo", description="`ppo` (actor + critic) or `grpo` (no critic).")
+    lr: float = Field(2e-4, gt=0.0, description="Actor learning rate.")
+    warmup_steps: int = Field(10, ge=0, description="LR warmup in optimizer steps (an iteration makes "
+                                                    "`ppo_epochs` x mini-batches of them).")
+    epochs: int = Field(1, ge=1, description="Unused by RLHF: `num_steps` counts rollout iterations.")
+    micro_batch_size: int = Field(32, ge=1, description="Experience rows per forward/backward pass (per process).")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step: a mini-batch is "
+                                                 "micro_batch_size x grad_accum rows of the buffer per process.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N iterations; 0: only at the end.")
+    log_every: int = Field(10, ge=1, description="Log metrics every N iterations (and the first and last).")
+    max_steps: int = Field(0, ge=0, description="Stop after this many rollout iterations (0: `num_steps`); the "
+                                                "schedule still spans `num_steps`, so a re-run resumes.")
+    prompts_per_step: int = Field(32, ge=1, description="Prompts per rollout iteration over all processes "
+                                                        "(must divide by the process count).")
+    generation_batch_size: int = Field(
+        0, ge=0, description="Prompts per generate call; the calls of one iteration fill the experience buffer "
+                             "(DeepSpeed-Chat generation batches). 0: all of a process's prompts at once.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over the experience buffer per iteration.")
     num_steps: int = Field(30, ge=1, description="Rollout/train iterations.")
-    temperature: float = Field(1.0, gt=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(8, ge=1)
-    kl_coef: float = Field(0.05, ge=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    kl_controller: Literal["fixed", "adaptive"] = "fixed"
-    kl_target: float = Field(6.0, gt=0.0)
-    kl_horizon: int = Field(10000, ge=1)
-    reward_clip: float | None = Field(5.0, gt=0.0)
-    whiten_advantages: bool = True
-    entropy_coef: float = Field(0.0, ge=0.0)
-    ptx_coef: float = Field(0.0, ge=0.0)
-    ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
-    no_eos_penalty: float | None = Field(None, description="Score assigned to responses without EOS.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same scaling).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    max_new_tokens: int = Field(8, ge=1, description="Response token limit during rollouts.")
+    kl_coef: float = Field(0.05, ge=0.0, description="PPO KL coefficient (initial value for `adaptive`).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="PPO KL estimator (k1, k2, k3).")
+    kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="PPO KL coefficient control.")
+    kl_target: float = Field(6.0, gt=0.0, description="Adaptive controller: target KL (nats per sequence).")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive controller horizon (samples).")
+    reward_clip: float | None = Field(5.0, gt=0.0, description="Scores are clamped to [-clip, clip]; null: off.")
+    whiten_advantages: bool = Field(True, description="PPO: normalise advantages over the experience buffer.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight in the actor loss.")
+    ptx_coef: float = Field(0.0, ge=0.0, description="Weight of an SFT (pretraining-mix) loss on sft.parquet.")
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0,
+                                    description="EMA of the actor weights, saved to models/actor_ema; null: off.")
+    no_eos_penalty: float | None = Field(None, description="Score assigned to responses without EOS; null: keep.")
     reward_fns: dict[str, float] = Field(default_factory=lambda: {"exact_answer": 1.0},
                                          description="Reward sources by name with weights; `rm` is the RM.")
-    rm_tokenizer_mismatch: Literal["retokenize", "error"] = "retokenize"
+    rm_tokenizer_mismatch: Literal["retokenize", "error"] = Field(
+        "retokenize", description="RM tokenizer differs from the actor's: score re-tokenised text, or fail.")
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.grpo.group_size if self.algorithm == "grpo" else self.ppo.samples_per_prompt
+
+    @model_validator(mode="after")
+    def _groups_fit(self) -> RLHFConfig:
+        if self.algorithm == "ppo" and self.ppo.advantage_estimator == "rloo" and self.ppo.samples_per_prompt < 2:
+            raise ValueError("ppo.advantage_estimator: rloo needs ppo.samples_per_prompt >= 2 "
+                             f"(got {self.ppo.samples_per_prompt})")
+        if self.algorithm == "grpo":
+            rows = self.micro_batch_size * self.grad_accum
+            if rows % self.grpo.group_size:
+                raise ValueError(
+                    f"grpo.group_size {self.grpo.group_size} does not divide the training batch "
+                    f"micro_batch_size * grad_accum = {self.micro_batch_size} * {self.grad_accum} = {rows}: "
+                    "every optimizer step must see whole groups")
+        return self
 
 
 class EvalConfig(_Section):

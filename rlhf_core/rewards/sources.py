@@ -41,7 +41,7 @@ class RewardSources:
     def rm_scores(self, prompts: Sequence[str], completions: Sequence[str]) -> torch.Tensor:
         if self.rm is None:
             raise ValueError("no reward model configured (add `rm` to rlhf.reward_fns)")
-        return self.rm.score([p + c for p, c in zip(prompts, completions, strict=True)]).float().cpu()
+        return self.rm.score_responses(list(prompts), list(completions)).float().cpu()
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> torch.Tensor:
         total = torch.zeros(len(completions))

@@ -1,0 +1,246 @@
+"""Tokenisation and vectorised collation for SFT and reward-model training.
+
+Token sequences are stored ragged (one flat tensor + offsets) and batches are cut out of it with
+index arithmetic: no per-sample Python loops when building ids, masks, labels or positions.
+
+Conventions
+- A training row is ``prompt + response + EOS``.  Prompts are tokenised with the tokenizer's special
+  tokens (a BOS where the model uses one), responses without; EOS is appended explicitly.
+- Training batches are right-padded; generation prompts are left-padded.
+- ``labels`` carry ``-100`` on pad and (unless ``loss_on_prompt``) on prompt tokens; the first token of
+  every example is never a target (it has no predecessor in its example — this matters for packing).
+- Packed rows reset ``position_ids`` at every example; with ``attention_mask=None`` transformers then
+  builds a block-diagonal causal mask, so packed examples do not attend to each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- ragged storage
+@dataclass
+class Ragged:
+    """Variable-length rows in one flat tensor: row ``i`` is ``flat[offsets[i]:offsets[i+1]]``."""
+
+    flat: torch.Tensor
+    offsets: torch.Tensor  # [n + 1]
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[int]], dtype=torch.long) -> Ragged:
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        flat = torch.tensor([t for r in rows for t in r], dtype=dtype)
+        return cls.from_lengths(flat, lengths)
+
+    @classmethod
+    def from_lengths(cls, flat: torch.Tensor, lengths: torch.Tensor) -> Ragged:
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        return cls(flat, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def like(self, flat: torch.Tensor) -> Ragged:
+        """Same row structure, other per-token values."""
+        return Ragged(flat, self.offsets)
+
+    def pad(self, idx: torch.Tensor | None = None, pad_value: int | float = 0, side: str = "right",
+            length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``idx`` as a padded ``[B, T]`` tensor and its validity mask."""
+        idx = torch.arange(len(self)) if idx is None else idx
+        lens = self.lengths[idx]
+        T = int(length if length is not None else (lens.max() if len(lens) else 0))
+        pos = torch.arange(T).unsqueeze(0)
+        if side == "right":
+            valid = pos < lens[:, None]
+            src = self.offsets[idx][:, None] + pos
+        else:
+            start = T - lens[:, None]
+            valid = pos >= start
+            src = self.offsets[idx][:, None] + pos - start
+        src = src.clamp(0, max(len(self.flat) - 1, 0))
+        gathered = self.flat[src] if len(self.flat) else torch.zeros_like(src, dtype=self.flat.dtype)
+        out = torch.where(valid, gathered, torch.tensor(pad_value, dtype=self.flat.dtype))
+        return out, valid
+
+    def select(self, idx: torch.Tensor) -> Ragged:
+        """Rows ``idx`` (in that order) as a new Ragged."""
+        padded, valid = self.pad(idx)
+        return Ragged.from_lengths(padded[valid], self.lengths[idx])
+
+
+def _concat_rows(a: Ragged, b: Ragged, max_length: int) -> tuple[Ragged, torch.Tensor]:
+    """Row-wise ``a[i] + b[i]`` cut to ``max_length``; also returns a per-token bool 'comes from b'."""
+    la, lb = a.lengths, b.lengths
+    total = torch.clamp(la + lb, max=max_length)
+    T = int(total.max()) if len(total) else 0
+    A, _ = a.pad(length=max(T, 1))
+    B, _ = b.pad(length=max(T, 1))
+    pos = torch.arange(T).unsqueeze(0)
+    from_b = pos >= la[:, None]
+    b_pos = (pos - la[:, None]).clamp(min=0, max=max(B.shape[1] - 1, 0))
+    combined = torch.where(from_b, torch.gather(B, 1, b_pos), A[:, :T])
+    valid = pos < total[:, None]
+    return Ragged.from_lengths(combined[valid], total), from_b[valid]
+
+
+# --------------------------------------------------------------------------- tokenisation
+def _adds_eos(tokenizer) -> bool:
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[-1] == tokenizer.eos_token_id
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str]) -> Ragged:
+    """Prompt token ids with the tokenizer's special tokens (BOS where it adds one, never a trailing EOS)."""
+    ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    if _adds_eos(tokenizer):
+        ids = [r[:-1] if r and r[-1] == tokenizer.eos_token_id else r for r in ids]
+    return Ragged.from_lists(ids)
+
+
+def encode_responses(tokenizer, responses: Sequence[str]) -> Ragged:
+    """Response token ids followed by EOS (no other special tokens)."""
+    ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+    r = Ragged.from_lists(ids)
+    eos = Ragged.from_lengths(torch.full((len(r),), tokenizer.eos_token_id, dtype=torch.long),
+                              torch.ones(len(r), dtype=torch.long))
+    out, _ = _concat_rows(r, eos, max_length=1 << 30)
+    return out
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+def check_prompt_room(prompt_lens: torch.Tensor, max_length: int, source: str, key: str,
+                      ids: Sequence[str] | None = None) -> None:
+    """Every prompt must leave room for at least one response token."""
+    bad = torch.nonzero(prompt_lens >= max_length).flatten()
+    if len(bad):
+        i = int(bad[torch.argmax(prompt_lens[bad])])
+        row = f"row {i}" + (f" (id {ids[i]})" if ids is not None else "")
+        raise PromptTooLongError(
+            f"{source}: {len(bad)} prompt(s) have no room for a response: {row} has {int(prompt_lens[i])} prompt "
+            f"tokens but {key} is {max_length}; raise {key} or lower data.max_prompt_len")
+
+
+@dataclass
+class TokenizedSequences:
+    """``prompt + response + EOS`` rows: tokens, per-token 'is response', and how many were cut."""
+
+    tokens: Ragged
+    response_mask: torch.Tensor  # flat bool aligned with tokens.flat
+    prompt_lens: torch.Tensor
+    truncated: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def encode_sequences(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int,
+                     source: str = "<data>", key: str = "max_length",
+                     ids: Sequence[str] | None = None) -> TokenizedSequences:
+    """Tokenise prompt/response pairs into training rows; responses that overflow ``max_length`` are cut."""
+    p = encode_prompts(tokenizer, prompts)
+    r = encode_responses(tokenizer, responses)
+    check_prompt_room(p.lengths, max_length, source, key, ids)
+    truncated = int((p.lengths + r.lengths > max_length).sum())
+    tokens, from_response = _concat_rows(p, r, max_length)
+    return TokenizedSequences(tokens, from_response, p.lengths, truncated)
+
+
+# --------------------------------------------------------------------------- SFT
+@dataclass
+class SFTData:
+    """Training rows for SFT: tokens, per-token loss mask and position ids (packed or one example per row)."""
+
+    tokens: Ragged
+    loss_mask: torch.Tensor  # flat bool
+    positions: torch.Tensor  # flat long
+    packed: bool
+    n_examples: int
+    truncated: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def build_sft_data(seqs: TokenizedSequences, loss_on_prompt: bool = False, packing: bool = False,
+                   max_length: int | None = None, seed: int = 0) -> SFTData:
+    """Loss mask (response tokens, or all but each example's first) and positions; optionally packed."""
+    tok = seqs.tokens
+    n = len(tok)
+    starts = torch.repeat_interleave(tok.offsets[:-1], tok.lengths)
+    positions = torch.arange(len(tok.flat)) - starts
+    loss_mask = (positions > 0) if loss_on_prompt else (seqs.response_mask & (positions > 0))
+    if not packing:
+        return SFTData(tok, loss_mask, positions, False, n, seqs.truncated)
+    if max_length is None:
+        raise ValueError("packing needs max_length")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    lengths = tok.lengths[order].tolist()
+    row_lengths, current = [], 0
+    for length in lengths:  # greedy next-fit over integers (data preparation, not a per-token loop)
+        if current and current + length > max_length:
+            row_lengths.append(current)
+            current = 0
+        current += length
+    row_lengths.append(current)
+    sel = tok.select(order)
+    perm_pos = Ragged(positions, tok.offsets).select(order).flat
+    perm_mask = Ragged(loss_mask.long(), tok.offsets).select(order).flat.bool()
+    rows = Ragged.from_lengths(sel.flat, torch.tensor(row_lengths, dtype=torch.long))
+    return SFTData(rows, perm_mask, perm_pos, True, n, seqs.truncated)
+
+
+def collate_sft(data: SFTData, idx: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch with ``labels`` (-100 on pad / masked tokens), ``num_tokens`` (non-pad tokens) and
+    ``attention_mask`` or, for packed rows, ``position_ids`` (restarting at each example, no attention mask)."""
+    ids, valid = data.tokens.pad(idx, pad_value=pad_id)
+    loss_mask, _ = data.tokens.like(data.loss_mask).pad(idx, pad_value=False)
+    labels = torch.where(loss_mask & valid, ids, torch.tensor(IGNORE_INDEX))
+    batch = {"input_ids": ids, "labels": labels, "num_tokens": valid.sum()}
+    if data.packed:
+        positions, _ = data.tokens.like(data.positions).pad(idx, pad_value=0)
+        batch["position_ids"] = positions
+    else:
+        batch["attention_mask"] = valid.long()
+    return batch
+
+
+# --------------------------------------------------------------------------- pairs
+@dataclass
+class PairData:
+    chosen: TokenizedSequences
+    rejected: TokenizedSequences
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    @property
+    def truncated(self) -> int:
+        return self.chosen.truncated + self.rejected.truncated
+
+
+def collate_pairs(data: PairData, idx: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Chosen rows then rejected rows in one right-padded ``[2B, T]`` batch (one forward pass)."""
+    T = int(torch.maximum(data.chosen.tokens.lengths[idx], data.rejected.tokens.lengths[idx]).max())
+    c, cm = data.chosen.tokens.pad(idx, pad_value=pad_id, length=T)
+    r, rm = data.rejected.tokens.pad(idx, pad_value=pad_id, length=T)
+    return {"input_ids": torch.cat([c, r]), "attention_mask": torch.cat([cm, rm]).long()}
+
+
+def left_pad_prompts(prompts: Ragged, idx: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompt batch for generation."""
+    ids, valid = prompts.pad(idx, pad_value=pad_id, side="left")
+    return {"input_ids": ids, "attention_mask": valid.long()}

@@ -1,0 +1,157 @@
+"""Resumable checkpoints under ``checkpoints/<stage>/`` and atomic final-model directories.
+
+Layout::
+
+    checkpoints/sft/
+      fingerprint.json        what the checkpoints belong to (params + input hashes + world size)
+      latest                  tag of the newest complete checkpoint (written last, atomically)
+      step_00000020/          DeepSpeed files (model, optimizer, scheduler), trainer_state.json,
+                              rng_rank<r>.pt (torch / cuda / numpy / python RNG per rank)
+
+A checkpoint counts only once ``latest`` names it, so a crash while saving leaves the previous
+one in force.  A fingerprint mismatch (changed params or data) starts training afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf_core.engine import distributed as D
+from rlhf_core.meta import write_json_atomic
+
+LATEST = "latest"
+FINGERPRINT = "fingerprint.json"
+TRAINER_STATE = "trainer_state.json"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+class CheckpointManager:
+    """Save / find / load training checkpoints of one stage (all ranks call save and load)."""
+
+    def __init__(self, directory: str | Path, fingerprint: dict, keep: int = 1):
+        self.dir = Path(directory)
+        self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+        self.keep = keep
+
+    # ------------------------------------------------------------------ queries
+    def latest_tag(self) -> str | None:
+        path = self.dir / LATEST
+        if not path.exists():
+            return None
+        tag = path.read_text().strip()
+        return tag if (self.dir / tag / TRAINER_STATE).exists() else None
+
+    def latest_path(self) -> str | None:
+        tag = self.latest_tag()
+        return str(self.dir / tag) if tag else None
+
+    def matches(self) -> bool:
+        path = self.dir / FINGERPRINT
+        return path.exists() and json.loads(path.read_text()) == self.fingerprint
+
+    def prepare(self, resume: bool) -> str | None:
+        """Decide where training starts: the tag to resume from, or None (stale checkpoints are cleared)."""
+        tag = None
+        if D.is_main():
+            if resume and self.matches() and self.latest_tag():
+                tag = self.latest_tag()
+            else:
+                if self.dir.exists():
+                    shutil.rmtree(self.dir)
+                self.dir.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(self.dir / FINGERPRINT, self.fingerprint)
+        tag = D.broadcast_object(tag)
+        D.barrier()
+        return tag
+
+    # ------------------------------------------------------------------ save / load
+    def save(self, engine, step: int, trainer_state: dict) -> str:
+        """All ranks: DeepSpeed state + per-rank RNG; rank 0 then writes trainer state and flips ``latest``."""
+        tag = f"step_{step:08d}"
+        engine.ds.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
+        torch.save(rng_state(), self.dir / tag / f"rng_rank{D.rank()}.pt")
+        D.barrier()
+        if D.is_main():
+            write_json_atomic(self.dir / tag / TRAINER_STATE, trainer_state)
+            _write_text_atomic(self.dir / LATEST, tag)
+            self._prune(keep_tag=tag)
+        D.barrier()
+        return str(self.dir / tag)
+
+    def load(self, engine, tag: str) -> dict:
+        """Restore model, optimizer, scheduler (DeepSpeed) and this rank's RNG; return the trainer state."""
+        path, _ = engine.ds.load_checkpoint(str(self.dir), tag=tag, load_module_strict=True,
+                                            load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"could not load checkpoint {self.dir / tag}")
+        rng_file = self.dir / tag / f"rng_rank{D.rank()}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return json.loads((self.dir / tag / TRAINER_STATE).read_text())
+
+    def _prune(self, keep_tag: str) -> None:
+        tags = sorted(p.name for p in self.dir.glob("step_*") if p.is_dir())
+        stale = [t for t in tags if t != keep_tag][: max(0, len(tags) - self.keep)]
+        for t in stale:
+            shutil.rmtree(self.dir / t, ignore_errors=True)
+
+
+def make_temp_dir(target: str | Path) -> Path:
+    """A fresh temp dir next to ``target`` (same filesystem, so ``commit_dir`` is a rename)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+
+
+def commit_dir(tmp: str | Path, target: str | Path) -> None:
+    """Replace ``target`` by ``tmp``: the old directory is moved aside, the new one renamed in, the old removed."""
+    tmp, target = Path(tmp), Path(target)
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """Yield a temp dir next to ``target``; on success it replaces ``target`` by rename (else it is removed)."""
+    tmp = make_temp_dir(target)
+    try:
+        yield tmp
+        commit_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

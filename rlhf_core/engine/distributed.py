@@ -1,0 +1,113 @@
+"""Process-group setup and small collectives: the same code runs 1 process bare, or N under ``torchrun``.
+
+Without a launcher (no ``RANK``/``WORLD_SIZE`` in the environment) a world of one is set up on
+``127.0.0.1`` with a free port (without writing rendezvous variables into ``os.environ``).  On a
+machine without CUDA the DeepSpeed CPU accelerator is selected (``DS_ACCELERATOR=cpu``) and the
+backend is gloo; with CUDA it is nccl.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def configure_environment() -> None:
+    """Environment DeepSpeed needs before it is imported: CPU accelerator when there is no GPU."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed (idempotent).
+
+    Under ``torchrun`` the launcher's env is used; otherwise a single-process world is created.
+    """
+    configure_environment()
+    if dist.is_available() and dist.is_initialized():
+        return
+    import deepspeed
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        # No launcher: a world of one on a free local port.  The environment is left untouched, so
+        # subprocesses this process starts (e.g. torchrun) do not inherit a stale rendezvous.
+        os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it
+        dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False, verbose=False)
+        return
+    deepspeed.init_distributed(dist_backend=backend(), verbose=False)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum of a float64 tensor over ranks (returns a new CPU tensor)."""
+    t = values.detach().to(torch.float64)
+    if world_size() > 1:
+        t = t.to(device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu()
+
+
+def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(values) / world_size()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def set_num_threads(requested: int) -> int:
+    """``compute.num_threads`` or, when 0, the cores split evenly over this node's processes."""
+    n = requested or max(1, (os.cpu_count() or 1) // max(1, local_world_size()))
+    if not torch.cuda.is_available() or requested:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()

@@ -1,0 +1,197 @@
+"""Building, checking, adapting (LoRA) and saving the models the stages train.
+
+- The base policy is ``model.name_or_path`` (HF id or local path, safetensors only) or, when null,
+  a fresh tiny Llama from ``models/base/config.json`` initialised with ``project.seed``.
+- The tokenizer always comes from ``models/base`` (written by prepare).
+- Saved models are plain HF directories (``save_pretrained``, safetensors) + tokenizer + ``rlhf_meta.json``.
+  LoRA adapters are merged on save by default; unmerged, the adapter goes to ``<dir>/adapter/`` next
+  to the base weights and ``load_causal_lm`` re-applies it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlhf_core import paths
+from rlhf_core.config import ComputeConfig, LoraConfig, Params
+from rlhf_core.engine.errors import TrainingInputError
+from rlhf_core.models.value_head import ValueHeadModel
+
+ADAPTER_DIR = "adapter"
+
+
+# --------------------------------------------------------------------------- tokenizer
+def load_training_tokenizer(root: str | Path, params: Params):
+    """The tokenizer in ``models/base`` (left padding); missing pad/EOS tokens are errors naming the path."""
+    from rlhf_core.data.tokenizer import load_tokenizer
+
+    path = Path(root) / paths.BASE_MODEL
+    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+        raise TrainingInputError(f"{path}: no tokenizer found; run `rlhf stage prepare` first")
+    try:
+        tok = load_tokenizer(path, params.model.trust_remote_code)
+    except ValueError as err:
+        raise TrainingInputError(str(err)) from None
+    if tok.pad_token_id is None:
+        raise TrainingInputError(f"tokenizer at {path} has no pad token; set one (distinct from EOS) and save it")
+    return tok
+
+
+# --------------------------------------------------------------------------- checks
+def embedding_rows(model: torch.nn.Module) -> int:
+    """Rows of the input embedding (works on ZeRO-3 partitioned parameters)."""
+    base = model.backbone if isinstance(model, ValueHeadModel) else model
+    weight = base.get_input_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
+def check_vocab_fits(tokenizer, model: torch.nn.Module, model_name: str) -> None:
+    rows = embedding_rows(model)
+    if len(tokenizer) > rows:
+        raise TrainingInputError(
+            f"tokenizer vocab does not fit the model: tokenizer has {len(tokenizer)} tokens but {model_name} has "
+            f"{rows} embedding rows; use the model's own tokenizer (model.tokenizer) or re-run prepare")
+    special = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
+    too_big = {k: v for k, v in special.items() if v is not None and v >= rows}
+    if too_big:
+        raise TrainingInputError(f"special token ids {too_big} are outside {model_name}'s {rows} embedding rows")
+
+
+# --------------------------------------------------------------------------- building
+def _model_kwargs(params: Params) -> dict:
+    return {"trust_remote_code": params.model.trust_remote_code,
+            "attn_implementation": params.compute.attn_implementation}
+
+
+def base_model_source(params: Params, root: str | Path) -> str:
+    """Where the base weights come from: ``model.name_or_path`` or ``models/base/config.json`` (fresh init)."""
+    if params.model.name_or_path:
+        return params.model.name_or_path
+    config = Path(root) / paths.BASE_MODEL / "config.json"
+    if not config.exists():
+        raise TrainingInputError(f"{config} not found and model.name_or_path is null; run `rlhf stage prepare`")
+    return str(config)
+
+
+def build_causal_lm(params: Params, root: str | Path) -> torch.nn.Module:
+    """The base policy: ``from_pretrained(name_or_path)`` or a fresh tiny Llama seeded by ``project.seed``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = _model_kwargs(params)
+    if params.model.name_or_path:
+        return AutoModelForCausalLM.from_pretrained(params.model.name_or_path, use_safetensors=True, **kw)
+    config = AutoConfig.from_pretrained(str(Path(root) / paths.BASE_MODEL), trust_remote_code=False)
+    torch.manual_seed(params.project.seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=kw["attn_implementation"])
+
+
+def build_value_model(params: Params, root: str | Path, init_from: str) -> ValueHeadModel:
+    """Reward model / critic: backbone from ``models/sft`` (``init_from='sft'``) or the base model; fresh head."""
+    from transformers import AutoConfig, AutoModel
+
+    kw = _model_kwargs(params)
+    torch.manual_seed(params.project.seed + 1)
+    if init_from == "sft":
+        path = Path(root) / paths.SFT_MODEL
+        if not (path / "config.json").exists():
+            raise TrainingInputError(f"{path}: no SFT model; run `rlhf stage sft` first or set rm.init_from: base")
+        if (path / ADAPTER_DIR).exists():  # unmerged LoRA SFT: merge, then take the causal LM's backbone
+            causal = load_causal_lm(path, **kw)
+            return ValueHeadModel(causal.base_model)
+        return ValueHeadModel.from_pretrained(path, **kw)
+    if params.model.name_or_path:
+        backbone = AutoModel.from_pretrained(params.model.name_or_path, use_safetensors=True, **kw)
+    else:
+        config = AutoConfig.from_pretrained(str(Path(root) / paths.BASE_MODEL))
+        backbone = AutoModel.from_config(config, attn_implementation=kw["attn_implementation"])
+    return ValueHeadModel(backbone)
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    """Wrap with peft LoRA adapters; for a ValueHeadModel the backbone is adapted and the head stays trainable."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    def cfg(task_type):
+        return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                              target_modules=list(lora.target_modules), task_type=task_type, bias="none")
+
+    if isinstance(model, ValueHeadModel):
+        model.backbone = get_peft_model(model.backbone, cfg(None))
+        target = model.backbone
+    else:
+        model = get_peft_model(model, cfg("CAUSAL_LM"))
+        target = model
+    if not lora.only_optimize_lora:
+        for p in target.parameters():
+            p.requires_grad_(True)
+    if isinstance(model, ValueHeadModel):
+        model.value_head.requires_grad_(True)
+    return model
+
+
+def prepare_for_training(model: torch.nn.Module, compute: ComputeConfig) -> torch.nn.Module:
+    """LoRA and gradient checkpointing as configured; KV cache off."""
+    cfg = model.config
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False
+    if compute.lora.enabled:
+        model = apply_lora(model, compute.lora)
+    if compute.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+# --------------------------------------------------------------------------- saving / loading
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _export_backbone(model, directory: Path, merge: bool):
+    """The plain HF model to save (LoRA merged, or adapter written to ``directory/adapter`` and unloaded)."""
+    if not _is_peft(model):
+        return model
+    if merge:
+        return model.merge_and_unload()
+    model.save_pretrained(directory / ADAPTER_DIR)
+    return model.unload()
+
+
+def save_causal_lm(model, directory: str | Path, merge_lora: bool = True) -> None:
+    """``save_pretrained`` (safetensors) of a policy, LoRA merged (default) or saved beside it."""
+    directory = Path(directory)
+    model = _export_backbone(model, directory, merge_lora)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = True
+    model.save_pretrained(directory)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(directory)
+
+
+def save_value_model(model: ValueHeadModel, directory: str | Path, merge_lora: bool = True) -> None:
+    directory = Path(directory)
+    backbone = _export_backbone(model.backbone, directory, merge_lora)
+    ValueHeadModel(backbone, model.value_head).save_pretrained(directory)
+
+
+def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype | None = None,
+                   attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A saved policy (``models/sft``, later ``models/actor``), with an unmerged adapter re-applied and merged."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, trust_remote_code=trust_remote_code,
+                                                 attn_implementation=attn_implementation,
+                                                 **({"dtype": dtype} if dtype is not None else {}))
+    if (path / ADAPTER_DIR).exists():
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(path / ADAPTER_DIR)).merge_and_unload()
+    return model

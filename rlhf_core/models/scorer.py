@@ -1,0 +1,70 @@
+"""``RewardScorer``: score texts (or prompt/response pairs, or token tensors) with a saved reward model.
+
+Example::
+
+    scorer = RewardScorer.from_pretrained("models/rm")
+    scorer.score(["Human: What is 2 + 3?\\n\\nAssistant: 5"])          # tensor([..]) one score per text
+    scorer.score_responses(["Human: What is 2 + 3?\\n\\nAssistant:"], [" 5"])   # tokenised exactly as in training
+
+Texts are scored as ``text + EOS`` (training rows end with EOS; the score is read at the last token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rlhf_core.data.collate import Ragged, _concat_rows, encode_prompts, encode_sequences
+from rlhf_core.models.value_head import ValueHeadModel
+
+
+class RewardScorer:
+    def __init__(self, model: ValueHeadModel, tokenizer, max_length: int | None = None, batch_size: int = 32,
+                 device: str | torch.device | None = None):
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.batch_size = batch_size
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device | None = None, batch_size: int = 32,
+                        trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> RewardScorer:
+        """Load ``models/rm`` (backbone + value head + tokenizer saved beside it)."""
+        from rlhf_core.data.tokenizer import load_tokenizer
+
+        model = ValueHeadModel.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype,
+                                               require_head=True)
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(model, tokenizer, batch_size=batch_size, device=device)
+
+    @torch.no_grad()
+    def score_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Scores of already tokenised rows (left or right padded) ``[B, T] -> [B]``."""
+        out = []
+        for i in range(0, len(input_ids), self.batch_size):
+            ids = input_ids[i:i + self.batch_size].to(self.device)
+            mask = attention_mask[i:i + self.batch_size].to(self.device)
+            out.append(self.model(ids, mask).scores.float().cpu())
+        return torch.cat(out) if out else torch.empty(0)
+
+    def _score_ragged(self, rows: Ragged) -> torch.Tensor:
+        ids, valid = rows.pad(pad_value=self.tokenizer.pad_token_id, side="right")
+        return self.score_tokens(ids, valid.long())
+
+    def score(self, texts: Sequence[str]) -> torch.Tensor:
+        """One float score per text (``text + EOS``), shape ``[len(texts)]``."""
+        toks = encode_prompts(self.tokenizer, texts)
+        eos = Ragged.from_lengths(torch.full((len(toks),), self.tokenizer.eos_token_id, dtype=torch.long),
+                                  torch.ones(len(toks), dtype=torch.long))
+        rows, _ = _concat_rows(toks, eos, int(self.max_length))
+        return self._score_ragged(rows)
+
+    def score_responses(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        """Scores of ``prompt + response + EOS`` tokenised exactly as the RM was trained."""
+        seqs = encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>")
+        return self._score_ragged(seqs.tokens)

@@ -1,0 +1,137 @@
+"""``ValueHeadModel``: a transformer backbone + ``Linear(hidden, 1)``: one value per token, a score per sequence.
+
+Used as the reward model (score = value at the last non-pad token, as in DeepSpeed-Chat / OpenRLHF)
+and later as the PPO critic (per-token values).  Works with left or right padding: position ids
+are derived from the attention mask and the last index is computed from the mask, vectorised.
+
+Saved layout (``save_pretrained``)::
+
+    config.json, model.safetensors     the backbone in HF format (``AutoModel``)
+    value_head.safetensors             {"weight": [1, hidden]}
+    value_head.json                    {"format": "rlhf-ops/value-head", "hidden_size": ..., ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlhf_core.algos import gather_last
+
+VALUE_HEAD_WEIGHTS = "value_head.safetensors"
+VALUE_HEAD_CONFIG = "value_head.json"
+FORMAT = "rlhf-ops/value-head"
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counting only real tokens (0 at the first non-pad token), so padding side does not matter."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@contextlib.contextmanager
+def _full(param: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The parameter itself, gathered (and re-partitioned from rank 0) when ZeRO-3 partitioned it."""
+    if not hasattr(param, "ds_id"):
+        yield param
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        yield param
+
+
+@dataclass
+class ValueHeadOutput:
+    values: torch.Tensor  # [B, T] one value per token
+    scores: torch.Tensor  # [B] value at the last non-pad token
+
+
+class ValueHeadModel(nn.Module):
+    """``AutoModel`` backbone + value head. ``forward(input_ids, attention_mask) -> ValueHeadOutput``."""
+
+    def __init__(self, backbone: nn.Module, value_head: nn.Linear | None = None):
+        super().__init__()
+        self.backbone = backbone
+        hidden = self.base_config.hidden_size
+        self.value_head = value_head if value_head is not None else nn.Linear(hidden, 1, bias=False)
+        if value_head is None:
+            with _full(self.value_head.weight) as w:
+                nn.init.normal_(w, mean=0.0, std=1.0 / (hidden + 1))  # OpenRLHF's init
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def base_config(self):
+        """The backbone's ``PretrainedConfig`` (through a peft wrapper if present)."""
+        return self.backbone.config
+
+    @property
+    def config(self):
+        return self.base_config
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.backbone.gradient_checkpointing_enable(**kwargs)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> ValueHeadOutput:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask)
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return ValueHeadOutput(values=values, scores=gather_last(values, attention_mask))
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.forward(input_ids, attention_mask).scores
+
+    # ------------------------------------------------------------------ save / load
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Backbone with ``save_pretrained`` (safetensors) + value head weights + a small json."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(directory)
+        save_file({"weight": self.value_head.weight.detach().float().cpu().contiguous()},
+                  str(directory / VALUE_HEAD_WEIGHTS))
+        (directory / VALUE_HEAD_CONFIG).write_text(json.dumps({
+            "format": FORMAT, "hidden_size": int(self.value_head.in_features), "bias": False,
+            "score": "value at the last non-pad token (attention_mask)",
+            "position_ids": "from attention_mask (cumsum - 1)",
+        }, indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, trust_remote_code: bool = False, attn_implementation: str = "sdpa",
+                        dtype: torch.dtype | None = None, require_head: bool = False) -> ValueHeadModel:
+        """Load a saved ValueHeadModel; a plain HF model directory (e.g. the SFT model) gets a fresh head
+        unless ``require_head``.  Weights are read from safetensors only."""
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+
+        path = Path(path)
+        backbone = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=trust_remote_code,
+                                             attn_implementation=attn_implementation,
+                                             **({"dtype": dtype} if dtype is not None else {}))
+        model = cls(backbone)
+        head_file = path / VALUE_HEAD_WEIGHTS
+        if head_file.exists():
+            weight = load_file(str(head_file))["weight"]
+            if weight.shape != model.value_head.weight.shape:
+                raise ValueError(f"{head_file}: value head shape {tuple(weight.shape)} does not match the backbone "
+                                 f"hidden size {model.value_head.in_features}")
+            with torch.no_grad(), _full(model.value_head.weight) as w:
+                w.copy_(weight.to(w.dtype))
+        elif require_head:
+            raise FileNotFoundError(f"{path}: no {VALUE_HEAD_WEIGHTS}; not a saved reward/value model")
+        if dtype is not None:
+            model.value_head.to(dtype)
+        return model

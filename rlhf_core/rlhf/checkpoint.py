@@ -1,0 +1,76 @@
+"""Checkpoints of an RLHF run: several DeepSpeed engines (actor, critic) + trainer state in one tag.
+
+An adapter over the engine's ``CheckpointManager`` (same fingerprint, ``latest`` and pruning rules)::
+
+    checkpoints/rlhf/
+      fingerprint.json
+      latest                   written last: a checkpoint counts only once it is named here
+      step_00000010/
+        actor/                 DeepSpeed files: weights, optimizer, LR scheduler
+        critic/                (PPO with GAE)
+        ema.pt                 EMA actor weights (when rlhf.ema_decay)
+        rng_rank<r>.pt         torch / numpy / python (/ cuda) RNG per rank
+        trainer_state.json     step, KL controller, curves, SFT accuracy, ...
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from rlhf_core.engine import distributed as D
+from rlhf_core.engine.checkpoint import (
+    LATEST,
+    TRAINER_STATE,
+    CheckpointManager,
+    _write_text_atomic,
+    rng_state,
+    set_rng_state,
+)
+from rlhf_core.meta import write_json_atomic
+
+EMA_FILE = "ema.pt"
+
+
+class MultiEngineCheckpoint(CheckpointManager):
+    """``save``/``load`` a dict of named engines (all ranks call both)."""
+
+    def save(self, engines: dict, step: int, trainer_state: dict, ema: dict | None = None) -> str:  # type: ignore[override]
+        tag = f"step_{step:08d}"
+        tag_dir = self.dir / tag
+        for name, engine in engines.items():
+            engine.ds.save_checkpoint(str(tag_dir), tag=name, save_latest=False)
+        torch.save(rng_state(), tag_dir / f"rng_rank{D.rank()}.pt")
+        if ema is not None and D.is_main():
+            torch.save(ema, tag_dir / EMA_FILE)
+        D.barrier()
+        if D.is_main():
+            write_json_atomic(tag_dir / TRAINER_STATE, trainer_state)
+            _write_text_atomic(self.dir / LATEST, tag)
+            self._prune(keep_tag=tag)
+        D.barrier()
+        return str(tag_dir)
+
+    def load(self, engines: dict, tag: str) -> tuple[dict, dict | None]:  # type: ignore[override]
+        """Restore every engine (weights, optimizer, scheduler) and this rank's RNG; return
+        ``(trainer_state, ema_state or None)``."""
+        tag_dir = self.dir / tag
+        for name, engine in engines.items():
+            path, _ = engine.ds.load_checkpoint(str(tag_dir), tag=name, load_module_strict=True,
+                                                load_optimizer_states=True, load_lr_scheduler_states=True)
+            if path is None:
+                raise RuntimeError(f"could not load the {name} checkpoint from {tag_dir / name}")
+        rng_file = tag_dir / f"rng_rank{D.rank()}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        ema_file = tag_dir / EMA_FILE
+        ema = torch.load(ema_file, weights_only=True) if ema_file.exists() else None
+        return json.loads((tag_dir / TRAINER_STATE).read_text()), ema
+
+
+def checkpoint_dir(root: str | Path) -> Path:
+    from rlhf_core import paths
+
+    return Path(root) / paths.CHECKPOINTS / "rlhf"

@@ -1,0 +1,449 @@
+"""Experience: rollouts (OpenRLHF's *Samples*) turned into training rows (*Experience*), and the buffer.
+
+One generation batch goes through these steps (``ExperienceMaker.make``)::
+
+    prompts (token ids, left-padded) --generate (KV cache, sampling)--> Rollout
+      -> score every row with the reward sources (no-EOS rows optionally get ``no_eos_penalty``)
+      -> sequence-level baselines that need whole groups (GRPO, RLOO) on *all* rows
+      -> drop rows whose response is empty (only EOS), counted
+      -> one pass per model under ``torch.inference_mode()``, logits only over response positions:
+         actor old log-probs, reference log-probs, critic values
+
+Masks (see ``rlhf_core.generation``): prompts are left-padded; a response ends at its first EOS, which is an
+action; everything after it is masked; ``pad == eos`` tokenizers work because the mask comes from EOS
+positions only; the logits at position ``t`` score token ``t + 1``, so a response of ``R`` tokens is scored
+by the logits at positions ``-R-1 .. -2`` and the critic's value of action ``t`` is read at the same place
+(the state *before* the token).
+
+The buffer (DeepSpeed-Chat's ``MiniDataset``): the generation batches of one iteration are concatenated
+(re-padded), advantages are computed over the whole buffer (``compute_advantages``), and the rows are
+shuffled (whole groups together) into a fixed number of mini-batches of micro-batches, reused for
+``ppo_epochs``.  The count is fixed by the configuration, not by how many rows survived, so every process
+runs the same number of forward/backward passes (a requirement of data-parallel gradient all-reduce);
+an empty micro-batch is a single row with an all-zero action mask (zero loss, zero gradient).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.algos import (
+    discounted_cumsum,
+    entropy_from_logits,
+    gae,
+    group_advantages,
+    kl_estimate,
+    kl_penalized_rewards,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from rlhf_core.generation import Rollout, ended_with_eos, position_ids, response_mask
+
+__all__ = [
+    "Experience",
+    "ExperienceMaker",
+    "GenerationConfig",
+    "compute_advantages",
+    "empty_response",
+    "minibatch_plan",
+    "rollout",
+    "sequence_logprobs",
+    "sequence_values",
+]
+
+
+# --------------------------------------------------------------------------- forward helpers
+def sequence_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                      temperature: float = 1.0, return_entropy: bool = False, entropy_grad: bool = False):
+    """Log-probs ``[B, R]`` of the last ``R = response_len`` tokens of ``sequences`` under ``model``.
+
+    Only the ``R + 1`` last logits are computed (``logits_to_keep``); position ``t`` scores token ``t + 1``.
+    Logits are divided by ``temperature`` (the distribution that sampled the tokens; TRL and OpenRLHF do
+    the same). ``return_entropy`` also gives the per-token entropy ``[B, R]`` (differentiable only with
+    ``entropy_grad``; otherwise computed without a graph, for logging).
+    """
+    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                logits_to_keep=response_len + 1, use_cache=False)
+    logits = out.logits[:, :-1, :]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logprobs_from_logits(logits, sequences[:, -response_len:])
+    if return_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        return logp, entropy
+    return logp
+
+
+def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Critic values ``[B, R]`` of the response actions: the value head at positions ``-R-1 .. -2``
+    (the state before each response token)."""
+    out = critic(sequences, attention_mask, position_ids(attention_mask))
+    return out.values[:, -response_len - 1:-1]
+
+
+# --------------------------------------------------------------------------- generation
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    do_sample: bool = True
+    synced_gpus: bool = False
+    min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: a fixed workload)
+
+
+def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenizer, gen: GenerationConfig) -> Rollout:
+    """Sample one response per (left-padded) prompt row with the KV cache; masks from the first EOS.
+
+    Prompts come pre-tokenised (once per run, with the same special tokens as SFT training); greedy when
+    ``do_sample`` is false. Generation runs under ``torch.inference_mode()``; the returned tensors are
+    ordinary (cloned) tensors, usable in training passes.
+    """
+    device = next(model.parameters()).device
+    kwargs = ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
+              if gen.do_sample else {"do_sample": False})
+    with torch.inference_mode():
+        out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
+                             max_new_tokens=gen.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=gen.synced_gpus,
+                             **({"min_new_tokens": gen.min_new_tokens} if gen.min_new_tokens else {}), **kwargs)
+    responses = out[:, prompt_ids.shape[1]:].cpu().clone()
+    if responses.shape[1] == 0:
+        responses = torch.full((prompt_ids.shape[0], 1), tokenizer.eos_token_id, dtype=prompt_ids.dtype)
+    mask = response_mask(responses, tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(torch.where(mask.bool(), responses, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    return Rollout(prompt_ids.cpu(), prompt_mask.cpu(), responses, mask, texts)
+
+
+def empty_response(responses: torch.Tensor, action_mask: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Rows whose response has no token before its EOS (the only action is the EOS itself)."""
+    return (action_mask.sum(dim=1) <= 1) & (responses[:, 0] == eos_token_id)
+
+
+# --------------------------------------------------------------------------- experience rows
+_OPTIONAL = ("old_logp", "ref_logp", "values", "rewards", "advantages", "returns", "seq_adv")
+
+
+@dataclass
+class Experience:
+    """Training rows: ``sequences = cat(prompt_ids, responses)``; ``[B, R]`` tensors are over response tokens.
+
+    ``scores``: sequence score (reward sources, no-EOS penalty applied); ``seq_adv``: a sequence-level
+    advantage/baseline-corrected score computed on whole groups before empty rows were dropped (GRPO:
+    group advantage, RLOO: leave-one-out score); ``group``: row's prompt id within the iteration.
+    """
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    responses: torch.Tensor  # [B, R]
+    action_mask: torch.Tensor  # [B, R] long 0/1
+    scores: torch.Tensor  # [B]
+    group: torch.Tensor  # [B] long
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    seq_adv: torch.Tensor | None = None  # [B]
+    rewards: torch.Tensor | None = None  # [B, R] token rewards (set by compute_advantages)
+    advantages: torch.Tensor | None = None  # [B, R]
+    returns: torch.Tensor | None = None  # [B, R]
+    info: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.responses.shape[0]
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.responses], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.action_mask], dim=1)
+
+    @property
+    def response_len(self) -> int:
+        return self.responses.shape[1]
+
+    def _row_tensors(self) -> dict[str, torch.Tensor | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "info"}
+
+    def select(self, idx: torch.Tensor, trim: bool = True) -> Experience:
+        """Rows ``idx``; with ``trim`` the all-pad prompt columns (left) and all-masked response columns
+        (right) of the selection are cut, so a micro-batch costs only its longest row."""
+        out = {k: (v[idx] if v is not None else None) for k, v in self._row_tensors().items()}
+        sel = Experience(**out)
+        return sel.trimmed() if trim else sel
+
+    def trimmed(self) -> Experience:
+        pm, am = self.prompt_mask.bool(), self.action_mask.bool()
+        p_cols = pm.any(dim=0).nonzero()
+        start = int(p_cols[0]) if len(p_cols) else max(0, pm.shape[1] - 1)
+        r_cols = am.any(dim=0).nonzero()
+        end = int(r_cols[-1]) + 1 if len(r_cols) else 1
+        changes = {"prompt_ids": self.prompt_ids[:, start:], "prompt_mask": self.prompt_mask[:, start:]}
+        for k in ("responses", "action_mask", *_OPTIONAL):
+            v = getattr(self, k)
+            if v is not None and v.dim() == 2:
+                changes[k] = v[:, :end]
+        return replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> Experience:
+        return replace(self, **{k: (v.to(device) if v is not None else None) for k, v in self._row_tensors().items()})
+
+    @staticmethod
+    def cat(parts: Sequence[Experience], pad_token_id: int) -> Experience:
+        """Concatenate rows of several generation batches: prompts left-padded and responses right-padded to
+        the longest; masks and per-token tensors padded with 0."""
+        if len(parts) == 1:
+            return parts[0]
+        P = max(p.prompt_ids.shape[1] for p in parts)
+        R = max(p.response_len for p in parts)
+        cols: dict[str, list] = {}
+        for p in parts:
+            dp, dr = P - p.prompt_ids.shape[1], R - p.response_len
+            cols.setdefault("prompt_ids", []).append(F.pad(p.prompt_ids, (dp, 0), value=pad_token_id))
+            cols.setdefault("prompt_mask", []).append(F.pad(p.prompt_mask, (dp, 0), value=0))
+            cols.setdefault("responses", []).append(F.pad(p.responses, (0, dr), value=pad_token_id))
+            for k in ("action_mask", *_OPTIONAL, "scores", "group"):
+                v = getattr(p, k)
+                cols.setdefault(k, []).append(None if v is None else (F.pad(v, (0, dr)) if v.dim() == 2 else v))
+        merged = {}
+        for k, vs in cols.items():
+            if any(v is None for v in vs):
+                if not all(v is None for v in vs):
+                    raise ValueError(f"cannot concatenate experiences: {k} is missing in some parts")
+                merged[k] = None
+            else:
+                merged[k] = torch.cat(vs)
+        return Experience(**merged)
+
+
+# --------------------------------------------------------------------------- advantages
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """What ``compute_advantages`` needs (plain values, built from ``RLHFConfig``)."""
+
+    algorithm: str  # "ppo" | "grpo"
+    estimator: str = "gae"  # ppo: gae | rloo | reinforce_pp
+    kl_in: str = "reward"  # ppo: reward | loss
+    kl_estimator: str = "k1"
+    reward_clip: float | None = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten: bool = True
+
+
+def compute_advantages(exp: Experience, cfg: AdvantageConfig, kl_coef: float) -> Experience:
+    """Token rewards, advantages and returns over the whole buffer (vectorised, no loop over tokens).
+
+    * PPO/GAE: ``r_t = -kl_coef * KL_t`` (``kl_in: reward``; 0 with ``kl_in: loss``) plus the clipped score at
+      the last valid token; ``A, R = gae(V, r)``; ``A`` whitened over the buffer when configured.
+    * PPO/RLOO: the same token rewards around the leave-one-out score (``seq_adv``);
+      ``A = R = sum_{k>=t} gamma^(k-t) r_k`` (whitened when configured).
+    * PPO/REINFORCE++: ``A = R = whiten(sum_{k>=t} gamma^(k-t) r_k)``.
+    * GRPO: ``A_t = seq_adv`` (the group advantage) on every valid token; no critic, KL goes in the loss.
+    """
+    mask = exp.action_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32)
+    if cfg.algorithm == "grpo":
+        adv = torch.where(mask, exp.seq_adv.float().unsqueeze(-1), zero)
+        rewards = torch.where(mask & (torch.arange(mask.shape[1]) == mask.sum(1, keepdim=True) - 1),
+                              exp.scores.float().unsqueeze(-1), zero)
+        return replace(exp, rewards=rewards, advantages=adv, returns=adv)
+    coef = kl_coef if cfg.kl_in == "reward" else 0.0
+    if coef > 0 and (exp.old_logp is None or exp.ref_logp is None):
+        raise ValueError("KL in the reward needs the actor's and the reference's log-probs")
+    logp = exp.old_logp if exp.old_logp is not None else torch.zeros(mask.shape)
+    ref = exp.ref_logp if exp.ref_logp is not None else logp
+    score = exp.seq_adv if cfg.estimator == "rloo" else exp.scores
+    rewards = kl_penalized_rewards(score.float(), logp, ref, mask, coef, cfg.reward_clip, cfg.kl_estimator)
+    if cfg.estimator == "gae":
+        if exp.values is None:
+            raise ValueError("GAE needs critic values")
+        adv, ret = gae(exp.values.float(), rewards, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten:
+            adv = masked_whiten(adv, mask)
+    elif cfg.estimator == "rloo":
+        ret = torch.where(mask, discounted_cumsum(torch.where(mask, rewards, zero), cfg.gamma), zero)
+        adv = masked_whiten(ret, mask) if cfg.whiten else ret
+    elif cfg.estimator == "reinforce_pp":
+        adv = reinforce_pp_advantages(rewards, mask, cfg.gamma)
+        ret = adv
+    else:
+        raise ValueError(f"unknown advantage estimator {cfg.estimator!r}")
+    return replace(exp, rewards=rewards, advantages=adv, returns=ret)
+
+
+# --------------------------------------------------------------------------- the buffer's mini-batches
+def minibatch_plan(groups: torch.Tensor, n_minibatches: int, grad_accum: int,
+                   generator: torch.Generator) -> list[list[torch.Tensor]]:
+    """Shuffle rows by whole groups and split them into ``n_minibatches`` x ``grad_accum`` micro-batches.
+
+    Returns row indices per micro-batch; some may be empty when few rows survived (the caller substitutes
+    a zero-mask row). The count is fixed so every process runs the same number of passes.
+    """
+    uniq, inverse = torch.unique(groups, return_inverse=True)
+    order = torch.randperm(len(uniq), generator=generator)
+    rank_of_group = torch.empty_like(order)
+    rank_of_group[order] = torch.arange(len(order))
+    key = rank_of_group[inverse] * (len(groups) + 1) + torch.arange(len(groups))
+    rows = torch.argsort(key)
+    return [list(torch.tensor_split(mb, grad_accum)) for mb in torch.tensor_split(rows, n_minibatches)]
+
+
+def zero_row(exp: Experience) -> Experience:
+    """One row of ``exp`` with an all-zero action mask: a micro-batch that contributes nothing."""
+    row = exp.select(torch.tensor([0]), trim=False)
+    return replace(row, action_mask=torch.zeros_like(row.action_mask)).trimmed()
+
+
+# --------------------------------------------------------------------------- the maker
+ScoreFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class MakerConfig:
+    algorithm: str
+    samples_per_prompt: int
+    gen: GenerationConfig
+    forward_batch_size: int
+    need_old_logp: bool
+    need_ref: bool
+    need_values: bool
+    no_eos_penalty: float | None = None
+    estimator: str = "gae"
+    grpo_scale: str = "group"
+
+
+def _batched(fn, n: int, batch: int):
+    return torch.cat([fn(slice(i, i + batch)) for i in range(0, n, batch)]) if n else None
+
+
+class ExperienceMaker:
+    """Generate + score + one inference pass per model for a batch of prompts.
+
+    ``actor``/``ref``/``critic`` are callables with the HF forward signature (the critic returns ``.values``);
+    ``score_fn(prompts, completions, **columns) -> FloatTensor[B]`` is ``RewardSources``.
+    """
+
+    def __init__(self, actor, ref, critic, score_fn: ScoreFn, tokenizer, cfg: MakerConfig, device=None):
+        self.actor, self.ref, self.critic = actor, ref, critic
+        self.score_fn, self.tok, self.cfg = score_fn, tokenizer, cfg
+        self.device = device if device is not None else torch.device("cpu")
+
+    def make(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompts: list[str],
+             columns: dict[str, list], group_offset: int = 0) -> Experience:
+        """Experience for ``prompts`` (already tokenised as ``prompt_ids``), ``samples_per_prompt`` each.
+
+        ``info`` carries sums for the iteration's metrics: rows, empty (dropped), no_eos, response tokens,
+        correct answers (when an ``answer`` column is given) and the phase times.
+        """
+        cfg, n = self.cfg, self.cfg.samples_per_prompt
+        t0 = time.perf_counter()
+        ids = prompt_ids.repeat_interleave(n, dim=0)
+        pmask = prompt_mask.repeat_interleave(n, dim=0)
+        group = torch.arange(len(prompts)).repeat_interleave(n) + group_offset
+        was_training = self.actor.training
+        self.actor.eval()
+        roll = rollout(self.actor, ids, pmask, self.tok, cfg.gen)
+        t_gen = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        rep_prompts = [p for p in prompts for _ in range(n)]
+        rep_cols = {k: [v for v in vals for _ in range(n)] for k, vals in columns.items()}
+        with torch.inference_mode():
+            scores = self.score_fn(rep_prompts, roll.texts, **rep_cols).float().cpu()
+        scores = scores.clone()
+        ended = ended_with_eos(roll.responses, self.tok.eos_token_id)
+        if cfg.no_eos_penalty is not None:
+            scores = torch.where(ended, scores, torch.tensor(float(cfg.no_eos_penalty)))
+        seq_adv = None
+        if cfg.algorithm == "grpo":
+            seq_adv = group_advantages(scores, n, cfg.grpo_scale)
+        elif cfg.estimator == "rloo":
+            seq_adv = rloo_advantages(scores, n)
+        correct = 0.0
+        if "answer" in rep_cols:
+            from rlhf_core.rewards import check_answer
+
+            correct = float(sum(check_answer(t, a) for t, a in zip(roll.texts, rep_cols["answer"], strict=True)))
+        empty = empty_response(roll.responses, roll.action_mask, self.tok.eos_token_id)
+        lengths = roll.action_mask.sum(dim=1).float()
+        info = {"rows": float(len(roll.texts)), "empty": float(empty.sum()), "no_eos": float((~ended).sum()),
+                "length_sum": float(lengths.sum()), "correct": correct,
+                "group_std_sum": float(scores.view(-1, n).std(dim=1).sum()) if n > 1 else 0.0,
+                "groups": float(len(prompts))}
+        keep = ~empty
+        if not keep.any():  # keep one row with a zero action mask so the training passes still run
+            keep = torch.zeros_like(keep)
+            keep[0] = True
+            roll.action_mask[0] = 0
+        exp = Experience(roll.prompt_ids, roll.prompt_mask, roll.responses, roll.action_mask, scores, group,
+                         seq_adv=seq_adv).select(keep.nonzero(as_tuple=True)[0], trim=True)
+        exp.info = info
+        self._forward_passes(exp)
+        self.actor.train(was_training)
+        info["t_generate"] = t_gen
+        info["t_score"] = time.perf_counter() - t1
+        return exp
+
+    @torch.inference_mode()
+    def _passes(self, exp: Experience) -> dict[str, torch.Tensor | None]:
+        cfg, R, dev = self.cfg, exp.response_len, self.device
+        seq, att = exp.sequences.to(dev), exp.attention_mask.to(dev)
+        bs = cfg.forward_batch_size or len(exp)
+        out: dict[str, torch.Tensor | None] = {"old_logp": None, "ref_logp": None, "values": None}
+        t = cfg.gen.temperature
+        if cfg.need_old_logp:
+            out["old_logp"] = _batched(lambda s: sequence_logprobs(self.actor, seq[s], att[s], R, t).float(),
+                                       len(exp), bs)
+        if cfg.need_ref:
+            out["ref_logp"] = _batched(lambda s: sequence_logprobs(self.ref, seq[s], att[s], R, t).float(),
+                                       len(exp), bs)
+        if cfg.need_values:
+            out["values"] = _batched(lambda s: sequence_values(self.critic, seq[s], att[s], R).float(), len(exp), bs)
+        return out
+
+    def _forward_passes(self, exp: Experience) -> None:
+        critic_training = self.critic.training if self.critic is not None else False
+        if self.critic is not None:
+            self.critic.eval()
+        for k, v in self._passes(exp).items():
+            # clone outside inference mode: inference tensors cannot be saved for backward later
+            setattr(exp, k, v.cpu().clone() if v is not None else None)
+        if self.critic is not None:
+            self.critic.train(critic_training)
+
+
+def sampled_kl(exp: Experience, kind: str = "k1") -> torch.Tensor:
+    """Per row: sum over action tokens of the sampled KL estimate between the rollout policy and the reference."""
+    if exp.old_logp is None or exp.ref_logp is None:
+        return torch.zeros(len(exp))
+    mask = exp.action_mask.bool()
+    kl = kl_estimate(exp.old_logp, exp.ref_logp, kind)
+    return torch.where(mask, kl, torch.zeros(())).sum(dim=1)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over valid tokens (NaN when returns have no variance)."""
+    m = mask.bool()
+    if m.sum() < 2:
+        return float("nan")
+    var_r = masked_mean((returns - masked_mean(returns, m)) ** 2, m)
+    diff = returns - values
+    var_d = masked_mean((diff - masked_mean(diff, m)) ** 2, m)
+    return float(1 - var_d / var_r) if var_r > 0 else float("nan")
+
+
+def n_minibatches(rows_per_process: int, micro_batch_size: int, grad_accum: int) -> int:
+    return max(1, math.ceil(rows_per_process / (micro_batch_size * grad_accum)))

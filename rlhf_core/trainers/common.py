@@ -1,0 +1,132 @@
+"""Pieces the SFT and RM trainers share: reading splits, fingerprints, eval sharding, writing outputs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rlhf_core import paths
+from rlhf_core.config import OptimConfig, Params
+from rlhf_core.data.readers import DataError
+from rlhf_core.engine import distributed as D
+from rlhf_core.engine.checkpoint import commit_dir, make_temp_dir
+from rlhf_core.engine.engine import TrainEngine
+from rlhf_core.meta import build_meta, dir_sha256, file_sha256, write_json_atomic, write_meta
+
+# Keys of a stage section that do not change what is trained (excluded from the resume fingerprint).
+_NON_TRAINING_KEYS = ("save_every", "log_every", "resume", "keep_checkpoints")
+
+
+def read_split(root: str | Path, phase: str, eval_split: bool = False, columns: tuple[str, ...] = ()) -> dict:
+    """Columns of ``data/prepared/[eval_]<phase>.parquet`` as lists; a missing or empty file is an error."""
+    import pyarrow.parquet as pq
+
+    rel = paths.prepared_file(phase, eval_split)
+    path = Path(root) / rel
+    if not path.exists():
+        raise DataError(f"{rel}: not found; run `rlhf stage prepare` first")
+    table = pq.read_table(path)
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise DataError(f"{rel}: missing column(s) {missing}")
+    if table.num_rows == 0:
+        raise DataError(f"{rel}: empty split (0 rows); nothing to train or evaluate on — check the data and "
+                        "re-run `rlhf stage prepare`")
+    return {c: table.column(c).to_pylist() for c in (columns or table.column_names)}
+
+
+def input_hashes(root: str | Path, files: list[Path], model_dirs: dict[str, str | Path]) -> dict[str, str]:
+    """sha256 of the data files and of the init model (directory hash, or the HF id when remote)."""
+    root = Path(root)
+    out = {str(f): file_sha256(root / f) for f in files}
+    for name, src in model_dirs.items():
+        p = Path(src) if Path(src).is_absolute() else root / src
+        if p.is_dir():
+            out[name] = dir_sha256(p)
+        elif p.is_file():
+            out[name] = file_sha256(p)
+        else:
+            out[name] = f"hf:{src}"
+    return out
+
+
+def fingerprint(params: Params, stage: str, section: OptimConfig, inputs: dict[str, str]) -> dict:
+    """What a checkpoint belongs to: a resumed run must train the same thing on the same data and world."""
+    sec = section.model_dump(mode="json", exclude=set(_NON_TRAINING_KEYS))
+    return {"stage": stage, "seed": params.project.seed, "section": sec,
+            "model": params.model.model_dump(mode="json"),
+            "compute": params.compute.model_dump(mode="json", exclude={"num_threads"}),
+            "data_limits": [params.data.max_prompt_len, params.data.max_response_len],
+            "inputs": inputs, "world_size": D.world_size()}
+
+
+def shard_for_eval(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's eval rows, padded so every rank runs the same number of batches (ZeRO-3 needs that);
+    returns (indices, weights) where padding rows weigh 0."""
+    world = D.world_size()
+    per_rank = math.ceil(n / world)
+    idx = torch.arange(per_rank * world)
+    mine = idx[D.rank()::world]
+    return mine % max(n, 1), (mine < n).float()
+
+
+def default_max_length(params: Params, value: int | None) -> int:
+    return value or params.data.max_prompt_len + params.data.max_response_len + 2
+
+
+def check_max_length(model, max_length: int, key: str) -> None:
+    from rlhf_core.engine.errors import TrainingInputError
+
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and max_length > limit:
+        raise TrainingInputError(f"{key} is {max_length} but the model's max_position_embeddings is {limit}; "
+                                 f"lower {key} (or data.max_prompt_len / data.max_response_len)")
+
+
+def write_curve(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
+    """A DVC plot CSV, written atomically."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(buf.getvalue())
+    os.replace(tmp, path)
+
+
+def save_final(engine: TrainEngine, target: Path, save_fn: Callable, tokenizer, meta: dict) -> None:
+    """All ranks: gather the model; rank 0 writes model + tokenizer + ``rlhf_meta.json`` into a temp dir
+    next to ``target`` and renames it into place (a crash never leaves a half-written model)."""
+    tmp = D.broadcast_object(str(make_temp_dir(target)) if D.is_main() else None)
+    try:
+        engine.save_model(tmp, save_fn)
+        if D.is_main():
+            tokenizer.save_pretrained(tmp)
+            write_meta(tmp, meta)
+            commit_dir(tmp, target)
+    finally:
+        if D.is_main() and Path(tmp).exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        D.barrier()
+
+
+def write_outputs(root: Path, stage: str, metrics: dict, curve_name: str, curve: list[dict],
+                  columns: tuple[str, ...]) -> None:
+    if D.is_main():
+        write_json_atomic(root / paths.METRICS / f"{stage}.json", metrics)
+        write_curve(root / paths.PLOTS / curve_name, curve, columns)
+
+
+def stage_meta(stage: str, params: Params, inputs: dict[str, str], **extra) -> dict:
+    return build_meta(stage, params.section_hash("project", "data", "model", "compute", stage), inputs, **extra)

@@ -1,0 +1,168 @@
+"""Reward-model training on DeepSpeed: a ``ValueHeadModel`` trained on preference pairs.
+
+Chosen and rejected rows (``prompt + response + EOS``) go through the model in one ``[2B, T]`` batch.
+``rm.loss: sequence`` (default): ``-log sigmoid(r_c - r_r - margin)`` on the scores at the last
+non-pad token; ``rm.loss: divergence``: DeepSpeed-Chat's per-token variant after the first differing token.
+Evaluation on ``eval_pairs`` before and after: pairwise accuracy, mean chosen / rejected score, margin.
+Outputs: ``models/rm/``, ``metrics/rm.json``, ``plots/rm_accuracy.csv``; checkpoints in ``checkpoints/rm/``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf_core import paths
+from rlhf_core.algos import pairwise_rm_loss
+from rlhf_core.config import Params
+from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
+from rlhf_core.engine import distributed as D
+from rlhf_core.engine.checkpoint import CheckpointManager
+from rlhf_core.engine.engine import TrainEngine, model_init_context
+from rlhf_core.engine.loop import Hooks, LogFn, TrainState, fit
+from rlhf_core.engine.sampler import ResumableSampler, StepPlan
+from rlhf_core.models.loading import (
+    base_model_source,
+    build_value_model,
+    check_vocab_fits,
+    load_training_tokenizer,
+    prepare_for_training,
+    save_value_model,
+)
+from rlhf_core.trainers.common import (
+    check_max_length,
+    default_max_length,
+    fingerprint,
+    input_hashes,
+    read_split,
+    save_final,
+    shard_for_eval,
+    stage_meta,
+    write_outputs,
+)
+from rlhf_core.trainers.losses import divergence_rm_loss
+
+STAGE = "rm"
+PAIR_COLUMNS = ("id", "prompt", "chosen", "rejected")
+
+
+def encode_pairs(tokenizer, rows: dict, max_length: int, source: str) -> PairData:
+    chosen = encode_sequences(tokenizer, rows["prompt"], rows["chosen"], max_length, source, "rm.max_length",
+                              rows["id"])
+    rejected = encode_sequences(tokenizer, rows["prompt"], rows["rejected"], max_length, source, "rm.max_length",
+                                rows["id"])
+    return PairData(chosen, rejected)
+
+
+def make_rm_loss(loss_kind: str, margin: float):
+    def rm_loss(engine, batch: dict) -> tuple[torch.Tensor, dict]:
+        ids, mask = batch["input_ids"].to(engine.device), batch["attention_mask"].to(engine.device)
+        out = engine(ids, mask)
+        chosen, rejected = out.scores.chunk(2)
+        loss, stats = pairwise_rm_loss(chosen.float(), rejected.float(), margin)
+        if loss_kind == "divergence":
+            vc, vr = out.values.chunk(2)
+            ic, ir = ids.chunk(2)
+            mc, mr = mask.chunk(2)
+            loss = divergence_rm_loss(vc, vr, ic, ir, mc, mr, margin)
+        return loss, {"tokens": mask.sum().float(), "accuracy": stats["accuracy"]}
+
+    return rm_loss
+
+
+@torch.no_grad()
+def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, margin: float = 0.0) -> dict[str, float]:
+    """Pairwise accuracy, mean chosen / rejected scores, mean margin and loss over ``data`` (all ranks)."""
+    was_training = model.training
+    model.eval()
+    idx, weight = shard_for_eval(len(data))
+    sums = torch.zeros(6, dtype=torch.float64)  # correct, chosen, rejected, diff, loss, n
+    for i in range(0, len(idx), batch_size):
+        batch = collate_pairs(data, idx[i:i + batch_size], pad_id)
+        scores = model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores.double().cpu()
+        c, r = scores.chunk(2)
+        w = weight[i:i + batch_size].double()
+        per_pair_loss = -torch.nn.functional.logsigmoid(c - r - margin)
+        sums += torch.stack([((c > r).double() * w).sum(), (c * w).sum(), (r * w).sum(), ((c - r) * w).sum(),
+                             (per_pair_loss * w).sum(), w.sum()])
+    model.train(was_training)
+    sums = D.all_reduce_sum(sums)
+    n = float(sums[5].clamp(min=1))
+    return {"accuracy": float(sums[0]) / n, "chosen_mean": float(sums[1]) / n, "rejected_mean": float(sums[2]) / n,
+            "margin_mean": float(sums[3]) / n, "eval_loss": float(sums[4]) / n}
+
+
+def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, hooks: Hooks | None = None) -> dict:
+    """Run reward-model training under ``root``; returns the stage metrics (also ``metrics/rm.json``)."""
+    t_start = time.perf_counter()
+    root = Path(root)
+    cfg, compute = params.rm, params.compute
+    D.init_distributed()
+    threads = D.set_num_threads(compute.num_threads)
+    tokenizer = load_training_tokenizer(root, params)
+    max_length = default_max_length(params, cfg.max_length)
+
+    train = read_split(root, "pairs", columns=PAIR_COLUMNS)
+    evals = read_split(root, "pairs", eval_split=True, columns=PAIR_COLUMNS)
+    data = encode_pairs(tokenizer, train, max_length, str(paths.prepared_file("pairs")))
+    eval_data = encode_pairs(tokenizer, evals, max_length, str(paths.prepared_file("pairs", True)))
+
+    plan = StepPlan(len(data), cfg.micro_batch_size, cfg.grad_accum, D.world_size(), cfg.epochs, cfg.max_steps)
+    with model_init_context(compute, cfg):
+        model = build_value_model(params, root, cfg.init_from)
+    init_source = str(paths.SFT_MODEL) if cfg.init_from == "sft" else base_model_source(params, root)
+    check_vocab_fits(tokenizer, model, init_source)
+    check_max_length(model, max_length, "rm.max_length")
+    model = prepare_for_training(model, compute)
+    engine = TrainEngine(model, compute, cfg, plan.total_steps)
+
+    files = [paths.prepared_file("pairs"), paths.prepared_file("pairs", True)]
+    init_ref = paths.SFT_MODEL if cfg.init_from == "sft" else (
+        params.model.name_or_path or paths.BASE_MODEL)
+    inputs = input_hashes(root, files, {"init_model": init_ref})
+    ckpt = CheckpointManager(root / paths.CHECKPOINTS / STAGE, fingerprint(params, STAGE, cfg, inputs),
+                             cfg.keep_checkpoints)
+    pad_id = tokenizer.pad_token_id
+    bs = params.eval.batch_size
+    tag = ckpt.prepare(cfg.resume)
+    if tag is not None:
+        state = TrainState.from_json(ckpt.load(engine, tag))
+        resumed_from = state.step
+    else:
+        state = TrainState()
+        state.extra["before"] = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin)
+        resumed_from = 0
+        torch.manual_seed(params.project.seed + 17 * D.rank())
+    if log is not None and D.is_main():
+        log({"n_train_pairs": len(data), "total_steps": plan.total_steps, "resumed_from_step": resumed_from,
+             "truncated": data.truncated, "threads": threads}, state.step)
+
+    state = fit(engine, plan, ResumableSampler(plan, params.project.seed, D.rank()),
+                lambda idx: collate_pairs(data, idx, pad_id), make_rm_loss(cfg.loss, cfg.margin), state, ckpt, log,
+                save_every=cfg.save_every, log_every=cfg.log_every, hooks=hooks)
+
+    after = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin)
+    before = state.extra["before"]
+    metrics = {
+        **{f"{k}_before": v for k, v in before.items()}, **after,
+        "train_loss_first": state.curve[0]["loss"] if state.curve else None,
+        "train_loss_last": state.curve[-1]["loss"] if state.curve else None,
+        "train_accuracy_last": state.curve[-1].get("accuracy") if state.curve else None,
+        "steps": state.step, "resumed_from_step": resumed_from, "n_train": len(data), "n_eval": len(eval_data),
+        "truncated_train": data.truncated, "truncated_eval": eval_data.truncated, "tokens": state.tokens,
+        "train_time_s": round(state.train_time_s, 3),
+        "tokens_per_s": state.tokens / state.train_time_s if state.train_time_s else 0.0,
+        "world_size": D.world_size(), "zero_stage": compute.zero_stage, "precision": engine.precision,
+        "loss_kind": cfg.loss, "init_from": cfg.init_from, "max_length": max_length,
+    }
+    meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,
+                      score="value at the last non-pad token")
+    save_final(engine, root / paths.RM_MODEL,
+               lambda m, d: save_value_model(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta)
+    metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)
+    write_outputs(root, STAGE, metrics, "rm_accuracy.csv", state.curve, ("step", "accuracy", "loss"))
+    if log is not None and D.is_main():
+        log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, state.step)
+    return metrics

@@ -1,0 +1,206 @@
+"""Supervised fine-tuning on DeepSpeed: causal-LM loss on ``prompt + response + EOS``.
+
+Prompt tokens are masked (label -100) unless ``sft.loss_on_prompt``; pad never counts.  Evaluation
+before and after training: perplexity on ``eval_sft`` (exp of the mean NLL over response tokens) and
+exact-answer accuracy of greedy completions on ``eval_prompts`` (``check_answer``).
+Outputs: ``models/sft/``, ``metrics/sft.json``, ``plots/sft_loss.csv``; checkpoints in ``checkpoints/sft/``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf_core import paths
+from rlhf_core.config import EvalConfig, Params
+from rlhf_core.data.collate import (
+    SFTData,
+    build_sft_data,
+    collate_sft,
+    encode_prompts,
+    encode_sequences,
+    left_pad_prompts,
+)
+from rlhf_core.engine import distributed as D
+from rlhf_core.engine.checkpoint import CheckpointManager
+from rlhf_core.engine.engine import TrainEngine, model_init_context
+from rlhf_core.engine.loop import Hooks, LogFn, TrainState, fit
+from rlhf_core.engine.sampler import ResumableSampler, StepPlan
+from rlhf_core.models.loading import (
+    base_model_source,
+    build_causal_lm,
+    check_vocab_fits,
+    load_training_tokenizer,
+    prepare_for_training,
+    save_causal_lm,
+)
+from rlhf_core.rewards.demo_task import check_answer
+from rlhf_core.trainers.common import (
+    check_max_length,
+    default_max_length,
+    fingerprint,
+    input_hashes,
+    read_split,
+    save_final,
+    shard_for_eval,
+    stage_meta,
+    write_outputs,
+)
+from rlhf_core.trainers.losses import token_nll
+
+STAGE = "sft"
+
+
+def sft_loss(engine, batch: dict) -> tuple[torch.Tensor, dict]:
+    """Mean token NLL over the labelled tokens of a micro-batch (transformers' shifted CE)."""
+    n_tokens = batch.pop("num_tokens")
+    out = engine(**{k: v.to(engine.device) for k, v in batch.items()}, use_cache=False)
+    return out.loss, {"tokens": n_tokens.float()}
+
+
+@torch.no_grad()
+def eval_perplexity(model, data: SFTData, batch_size: int, pad_id: int, device) -> dict[str, float]:
+    """Perplexity over response tokens: ``exp(sum NLL / n tokens)``, reduced over ranks."""
+    was_training = model.training
+    model.eval()
+    idx, weight = shard_for_eval(len(data))
+    nll, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for i in range(0, len(idx), batch_size):
+        batch = collate_sft(data, idx[i:i + batch_size], pad_id)
+        labels = batch.pop("labels").to(device)
+        batch.pop("num_tokens")
+        logits = model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).logits
+        s, n = token_nll(logits, labels)
+        w = weight[i:i + batch_size].to(s.device)
+        nll += (s.double() * w).sum().cpu()
+        count += (n.double() * w).sum().cpu()
+    model.train(was_training)
+    total = D.all_reduce_sum(torch.stack([nll, count]))
+    mean = float(total[0] / total[1].clamp(min=1))
+    return {"eval_loss": mean, "ppl": math.exp(min(mean, 50.0))}
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, prompts: list[str], answers: list, cfg: EvalConfig, device,
+                     synced_gpus: bool = False) -> dict[str, float]:
+    """Greedy (or sampled, ``eval.temperature`` > 0) completions, left-padded, stopped at EOS; exact-answer accuracy."""
+    prompts, answers = prompts[: cfg.max_prompts], answers[: cfg.max_prompts]
+    was_training = model.training
+    model.eval()
+    encoded = encode_prompts(tokenizer, prompts)
+    idx, weight = shard_for_eval(len(prompts))
+    correct, total, eos_share = 0.0, 0.0, 0.0
+    sampling = {"do_sample": True, "temperature": cfg.temperature} if cfg.temperature > 0 else {"do_sample": False}
+    for i in range(0, len(idx), cfg.batch_size):
+        rows = idx[i:i + cfg.batch_size]
+        batch = {k: v.to(device) for k, v in left_pad_prompts(encoded, rows, tokenizer.pad_token_id).items()}
+        out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=synced_gpus,
+                             **sampling)
+        new = out[:, batch["input_ids"].shape[1]:].cpu()
+        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+        ok = torch.tensor([check_answer(t, answers[int(j)]) for t, j in zip(texts, rows, strict=True)],
+                          dtype=torch.float64)
+        w = weight[i:i + cfg.batch_size].double()
+        correct += float((ok * w).sum())
+        total += float(w.sum())
+        eos_share += float(((new == tokenizer.eos_token_id).any(-1).double() * w).sum())
+    model.train(was_training)
+    sums = D.all_reduce_sum(torch.tensor([correct, total, eos_share], dtype=torch.float64))
+    n = float(sums[1].clamp(min=1))
+    return {"accuracy": float(sums[0]) / n, "eos_rate": float(sums[2]) / n}
+
+
+def _evaluate(engine: TrainEngine, params: Params, tokenizer, eval_data: SFTData, prompts: dict) -> dict:
+    model, device = engine.module, engine.device
+    synced = params.compute.zero_stage == 3 and D.world_size() > 1
+    out = eval_perplexity(model, eval_data, params.eval.batch_size, tokenizer.pad_token_id, device)
+    with_answer = [i for i, a in enumerate(prompts["answer"]) if a is not None]
+    if with_answer:
+        gen = generate_answers(model, tokenizer, [prompts["prompt"][i] for i in with_answer],
+                               [prompts["answer"][i] for i in with_answer], params.eval, device, synced)
+        out.update(gen)
+    else:
+        out.update({"accuracy": None, "eos_rate": None})
+    return out
+
+
+def train_sft(params: Params, root: str | Path = ".", log: LogFn | None = None, hooks: Hooks | None = None) -> dict:
+    """Run SFT under ``root``; returns the stage metrics (also written to ``metrics/sft.json``)."""
+    t_start = time.perf_counter()
+    root = Path(root)
+    cfg, compute = params.sft, params.compute
+    D.init_distributed()
+    threads = D.set_num_threads(compute.num_threads)
+    tokenizer = load_training_tokenizer(root, params)
+    max_length = default_max_length(params, cfg.max_length)
+
+    train = read_split(root, "sft", columns=("id", "prompt", "response"))
+    evals = read_split(root, "sft", eval_split=True, columns=("id", "prompt", "response"))
+    prompts = read_split(root, "prompts", eval_split=True, columns=("id", "prompt", "answer"))
+    seqs = encode_sequences(tokenizer, train["prompt"], train["response"], max_length,
+                            str(paths.prepared_file("sft")), "sft.max_length", train["id"])
+    data = build_sft_data(seqs, cfg.loss_on_prompt, cfg.packing, max_length, params.project.seed)
+    eval_seqs = encode_sequences(tokenizer, evals["prompt"], evals["response"], max_length,
+                                 str(paths.prepared_file("sft", True)), "sft.max_length", evals["id"])
+    eval_data = build_sft_data(eval_seqs, loss_on_prompt=False)
+
+    plan = StepPlan(len(data), cfg.micro_batch_size, cfg.grad_accum, D.world_size(), cfg.epochs, cfg.max_steps)
+    with model_init_context(compute, cfg):
+        model = build_causal_lm(params, root)
+    source = base_model_source(params, root)
+    check_vocab_fits(tokenizer, model, source)
+    check_max_length(model, max_length, "sft.max_length")
+    model = prepare_for_training(model, compute)
+    engine = TrainEngine(model, compute, cfg, plan.total_steps)
+
+    files = [paths.prepared_file("sft"), paths.prepared_file("sft", True), paths.prepared_file("prompts", True)]
+    inputs = input_hashes(root, files, {"init_model": source if params.model.name_or_path else paths.BASE_MODEL})
+    ckpt = CheckpointManager(root / paths.CHECKPOINTS / STAGE, fingerprint(params, STAGE, cfg, inputs),
+                             cfg.keep_checkpoints)
+    tag = ckpt.prepare(cfg.resume)
+    if tag is not None:
+        state = TrainState.from_json(ckpt.load(engine, tag))
+        resumed_from = state.step
+    else:
+        state = TrainState()
+        state.extra["before"] = _evaluate(engine, params, tokenizer, eval_data, prompts)
+        resumed_from = 0
+        torch.manual_seed(params.project.seed + 17 * D.rank())
+    if log is not None and D.is_main():
+        log({"n_train_rows": len(data), "n_examples": data.n_examples, "total_steps": plan.total_steps,
+             "resumed_from_step": resumed_from, "truncated": data.truncated, "threads": threads}, state.step)
+
+    pad_id = tokenizer.pad_token_id
+    state = fit(engine, plan, ResumableSampler(plan, params.project.seed, D.rank()),
+                lambda idx: collate_sft(data, idx, pad_id), sft_loss, state, ckpt, log,
+                save_every=cfg.save_every, log_every=cfg.log_every, hooks=hooks)
+
+    after = _evaluate(engine, params, tokenizer, eval_data, prompts)
+    before = state.extra["before"]
+    metrics = {
+        "ppl_before": before["ppl"], "ppl_after": after["ppl"],
+        "eval_loss_before": before["eval_loss"], "eval_loss_after": after["eval_loss"],
+        "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+        "eos_rate_before": before["eos_rate"], "eos_rate_after": after["eos_rate"],
+        "train_loss_first": state.curve[0]["loss"] if state.curve else None,
+        "train_loss_last": state.curve[-1]["loss"] if state.curve else None,
+        "steps": state.step, "resumed_from_step": resumed_from, "n_train_examples": data.n_examples,
+        "n_train_rows": len(data), "n_eval": len(eval_data), "truncated_train": data.truncated,
+        "truncated_eval": eval_data.truncated, "tokens": state.tokens, "train_time_s": round(state.train_time_s, 3),
+        "tokens_per_s": state.tokens / state.train_time_s if state.train_time_s else 0.0,
+        "world_size": D.world_size(), "zero_stage": compute.zero_stage, "precision": engine.precision,
+        "max_length": max_length,
+    }
+    meta = stage_meta(STAGE, params, inputs, base_model=source, lora=compute.lora.enabled,
+                      merged=compute.lora.merge_on_save if compute.lora.enabled else None)
+    save_final(engine, root / paths.SFT_MODEL,
+               lambda m, d: save_causal_lm(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta)
+    metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)
+    write_outputs(root, STAGE, metrics, "sft_loss.csv", state.curve, ("step", "loss"))
+    if log is not None and D.is_main():
+        log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, state.step)
+    return metrics

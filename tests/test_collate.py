@@ -1,0 +1,110 @@
+"""Collation on hand-made tokens: prompt masking, pad never counted, left/right padding, packing, pairs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.data.collate import (
+    IGNORE_INDEX,
+    PairData,
+    PromptTooLongError,
+    Ragged,
+    TokenizedSequences,
+    _concat_rows,
+    build_sft_data,
+    collate_pairs,
+    collate_sft,
+    left_pad_prompts,
+)
+
+PAD, EOS = 0, 2
+
+
+def seqs(prompts, responses, max_length=100):
+    """TokenizedSequences from token lists (responses already end with EOS)."""
+    p, r = Ragged.from_lists(prompts), Ragged.from_lists(responses)
+    tokens, from_r = _concat_rows(p, r, max_length)
+    truncated = int((p.lengths + r.lengths > max_length).sum())
+    return TokenizedSequences(tokens, from_r, p.lengths, truncated)
+
+
+def test_ragged_pad_right_and_left():
+    r = Ragged.from_lists([[5, 6, 7], [8], [9, 10]])
+    ids, valid = r.pad(pad_value=PAD)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]
+    assert valid.sum(-1).tolist() == [3, 1, 2]
+    ids, valid = r.pad(torch.tensor([2, 1]), pad_value=PAD, side="left")
+    assert ids.tolist() == [[9, 10], [0, 8]]
+    assert valid.tolist() == [[True, True], [False, True]]
+    assert r.select(torch.tensor([2, 0])).flat.tolist() == [9, 10, 5, 6, 7]
+
+
+def test_prompt_tokens_carry_ignore_label_and_pad_is_never_counted():
+    s = seqs([[10, 11, 12], [13]], [[20, EOS], [21, 22, 23, EOS]])
+    data = build_sft_data(s, loss_on_prompt=False)
+    batch = collate_sft(data, torch.tensor([0, 1]), PAD)
+    assert batch["input_ids"].tolist() == [[10, 11, 12, 20, EOS], [13, 21, 22, 23, EOS]]
+    assert batch["labels"].tolist() == [[-100, -100, -100, 20, EOS], [-100, 21, 22, 23, EOS]]
+    assert int(batch["num_tokens"]) == 10
+    # mixed lengths: the shorter row is right-padded; pad is masked out of labels and attention
+    batch = collate_sft(data, torch.tensor([1, 0]), PAD)
+    s2 = seqs([[10], [13, 14, 15, 16]], [[EOS], [21, EOS]])
+    b2 = collate_sft(build_sft_data(s2), torch.tensor([0, 1]), PAD)
+    assert b2["input_ids"].tolist() == [[10, EOS, 0, 0, 0, 0], [13, 14, 15, 16, 21, EOS]]
+    assert b2["labels"].tolist() == [[-100, EOS, -100, -100, -100, -100], [-100, -100, -100, -100, 21, EOS]]
+    assert b2["attention_mask"].tolist() == [[1, 1, 0, 0, 0, 0], [1] * 6]
+    assert not ((b2["labels"] != IGNORE_INDEX) & (b2["attention_mask"] == 0)).any()
+
+
+def test_loss_on_prompt_trains_all_but_the_first_token():
+    s = seqs([[10, 11], [13]], [[20, EOS], [EOS]])
+    batch = collate_sft(build_sft_data(s, loss_on_prompt=True), torch.tensor([0, 1]), PAD)
+    assert batch["labels"].tolist() == [[-100, 11, 20, EOS], [-100, EOS, -100, -100]]
+
+
+def test_overlong_response_is_cut_and_counted():
+    s = seqs([[10, 11, 12]], [[20, 21, 22, EOS]], max_length=5)
+    assert s.truncated == 1
+    assert s.tokens.flat.tolist() == [10, 11, 12, 20, 21]
+
+
+def test_packing_resets_positions_and_masks_each_example():
+    s = seqs([[10, 11], [12], [13, 14]], [[20, EOS], [21, EOS], [EOS]])  # lengths 4, 3, 3
+    data = build_sft_data(s, loss_on_prompt=False, packing=True, max_length=7, seed=0)
+    assert data.packed and data.n_examples == 3 and len(data) == 2
+    assert sorted(data.tokens.lengths.tolist()) == [3, 7]
+    batch = collate_sft(data, torch.arange(len(data)), PAD)
+    assert "attention_mask" not in batch
+    for row, pos, lab in zip(batch["input_ids"], batch["position_ids"], batch["labels"], strict=True):
+        n = int((row != PAD).sum())
+        starts = torch.nonzero(pos[:n] == 0).flatten().tolist()
+        assert starts[0] == 0
+        for a, b in zip(starts, [*starts[1:], n], strict=True):
+            assert pos[a:b].tolist() == list(range(b - a))  # positions restart per example
+            assert lab[a] == IGNORE_INDEX  # never predict an example's first token from the previous one
+        assert (lab[n:] == IGNORE_INDEX).all()
+        targets = lab[lab != IGNORE_INDEX].tolist()
+        assert set(targets) <= {20, 21, EOS}  # only response tokens are targets
+    assert int(batch["num_tokens"]) == 10
+
+
+def test_pairs_are_concatenated_in_one_batch_and_prompts_left_padded():
+    c = seqs([[10, 11], [12]], [[20, EOS], [21, 22, EOS]])
+    r = seqs([[10, 11], [12]], [[30, 31, EOS], [EOS]])
+    batch = collate_pairs(PairData(c, r), torch.tensor([0, 1]), PAD)
+    assert batch["input_ids"].tolist() == [[10, 11, 20, EOS, 0], [12, 21, 22, EOS, 0],
+                                           [10, 11, 30, 31, EOS], [12, EOS, 0, 0, 0]]
+    assert batch["attention_mask"].sum(-1).tolist() == [4, 4, 5, 2]
+    prompts = Ragged.from_lists([[5, 6, 7], [8]])
+    gen = left_pad_prompts(prompts, torch.tensor([0, 1]), PAD)
+    assert gen["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert gen["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_prompt_without_room_is_a_clear_error():
+    from rlhf_core.data.collate import check_prompt_room
+
+    with pytest.raises(PromptTooLongError, match=r"data/x.parquet: 1 prompt\(s\) have no room.*row 1 \(id b\) has 9 "
+                                                 r"prompt tokens but sft.max_length is 8"):
+        check_prompt_room(torch.tensor([3, 9]), 8, "data/x.parquet", "sft.max_length", ["a", "b"])

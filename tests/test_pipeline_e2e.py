@@ -1,0 +1,113 @@
+"""The whole pipeline as a Prefect flow against a real `mlflow server`, checked through the MLflow client.
+
+Covers: runs (parent + one child per stage), step metrics, registered versions and aliases, lineage tags,
+the champion actor loading and generating, a re-run that skips every stage and registers nothing new, and a
+stage killed mid-way that resumes on the flow's retry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.servers import mlflow_server, project_copy
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "data": {"demo": {"n_rows": 600}},
+    "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "num_key_value_heads": 2}},
+    "sft": {"epochs": 1, "max_steps": 6, "save_every": 2, "micro_batch_size": 16, "log_every": 1},
+    "rm": {"epochs": 1, "max_steps": 4, "micro_batch_size": 16, "log_every": 1},
+    "rlhf": {"num_steps": 2, "prompts_per_step": 8, "max_new_tokens": 4, "log_every": 1},
+    "eval": {"max_prompts": 16, "max_new_tokens": 4},
+    "gates": {"min_reward_gain": -1000.0, "min_win_rate_vs_champion": 0.0, "max_kl": 1.0e9, "min_accuracy": 0.0},
+    "tracking": {"system_metrics": False},
+}
+
+
+def rlhf_run(project: Path, uri: str, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "RLHF_TRACKING": "on",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **(extra_env or {})}
+    env.pop("PREFECT_API_URL", None)
+    return subprocess.run([sys.executable, "-m", "flows.cli", "run", *args], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    project = project_copy(tmp / "project", TINY)
+    with mlflow_server(tmp) as uri:
+        marker = tmp / "fault-fired"
+        first = rlhf_run(project, uri, "--promote",
+                         extra_env={"RLHF_FAULT": f"sft:3:{marker}"})
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
+        yield {"project": project, "uri": uri, "first": first, "marker": marker}
+
+
+def test_stage_killed_midway_resumes_on_retry(pipeline):
+    assert pipeline["marker"].exists(), "the injected fault never fired"
+    logs = pipeline["first"].stdout + pipeline["first"].stderr
+    assert "fault injected" in logs
+    sft = json.loads((pipeline["project"] / "metrics/sft.json").read_text())
+    assert sft.get("resumed_from_step", 0) >= 2, sft
+
+
+def test_runs_metrics_versions_aliases_lineage(pipeline):
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(pipeline["uri"])
+    client = MlflowClient()
+    exp = client.get_experiment_by_name("rlhf-demo")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.info.run_name.startswith("pipeline-")]
+    assert len(parents) == 1
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert {"prepare", "sft", "rm", "rlhf", "evaluate"} <= set(children)
+    sft = children["sft"]
+    assert len(client.get_metric_history(sft.info.run_id, "loss")) >= 3
+    assert sft.data.tags["rlhf.dvc.data_prepared"].endswith(".dir")
+    assert sft.data.params["sft.max_steps"] == "6"
+    inputs = sft.inputs.dataset_inputs
+    assert {d.dataset.name for d in inputs} >= {"sft", "eval_sft"}
+    assert inputs[0].dataset.digest == sft.data.tags["rlhf.dvc.data_prepared"][:len(inputs[0].dataset.digest)]
+    artifacts = {a.path for a in client.list_artifacts(sft.info.run_id, "plots")}
+    assert "plots/sft_loss.png" in artifacts
+
+    actor = client.get_model_version_by_alias("rlhf-demo-actor", "champion")
+    assert actor.version == "1"
+    assert client.get_model_version_by_alias("rlhf-demo-actor", "challenger").version == "1"
+    assert client.get_model_version_by_alias("rlhf-demo-reward", "challenger").version == "1"
+    assert actor.tags["rlhf.gate"] == "passed" and actor.tags["rlhf.previous_champion"] == "none"
+    assert actor.tags["rlhf.input.sft"] and actor.tags["rlhf.dvc.data_prepared"]
+    assert actor.tags["rlhf.pipeline_run_id"] == parents[0].info.run_id
+
+    components = mlflow.transformers.load_model("models:/rlhf-demo-actor@champion", return_type="components")
+    tok, model = components["tokenizer"], components["model"]
+    ids = tok("Human: What is 2 + 3?\n\nAssistant:", return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+
+    reward = mlflow.pyfunc.load_model("models:/rlhf-demo-reward@challenger")
+    scores = reward.predict(["Human: What is 2 + 3?\n\nAssistant: 5", "Human: What is 2 + 3?\n\nAssistant: 7"])
+    assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
+
+
+def test_rerun_skips_every_stage_and_registers_nothing(pipeline):
+    from mlflow import MlflowClient
+
+    again = rlhf_run(pipeline["project"], pipeline["uri"])
+    assert again.returncode == 0, again.stderr[-4000:]
+    out = again.stdout + again.stderr
+    for stage in ("prepare", "sft", "rm", "rlhf", "evaluate"):
+        assert f"stage {stage} skipped" in out, stage
+    client = MlflowClient(pipeline["uri"])
+    assert [v.version for v in client.search_model_versions("name='rlhf-demo-actor'")] == ["1"]

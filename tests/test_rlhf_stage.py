@@ -1,0 +1,269 @@
+"""The RLHF stage end to end on a tiny workspace: learning, outputs, resume, bad input, LoRA, options,
+two processes under torchrun.
+
+The workspace (built once per module): demo data with small operands, a tiny Llama SFT-trained with the
+project's SFT trainer, a reward model trained a few steps (the PPO critic's init), and the RL prompts cut to
+4 so a few GRPO steps can visibly raise the exact-answer reward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from rlhf_core.config import ConfigError
+from rlhf_core.engine.errors import TrainingInputError
+from tests.conftest import REPO, make_params
+
+TINY = ["model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2",
+        "model.tiny.num_hidden_layers=1", "model.tiny.intermediate_size=64", "data.demo.max_operand=4",
+        "data.demo.n_rows=600", "compute.num_threads=1", "eval.max_prompts=16", "eval.max_new_tokens=4"]
+RL = ["rlhf.prompts_per_step=4", "rlhf.max_new_tokens=4", "rlhf.micro_batch_size=16", "rlhf.warmup_steps=0",
+      "rlhf.lr_scheduler=constant", "rlhf.log_every=1"]
+
+
+def params(*overrides: str):
+    return make_params(*TINY, *RL, *overrides)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """prepare -> SFT (project trainer) -> RM (a few steps); RL prompts cut to 4."""
+    from rlhf_core.stages.prepare import prepare
+    from rlhf_core.trainers.rm import train_rm
+    from rlhf_core.trainers.sft import train_sft
+
+    root = tmp_path_factory.mktemp("rlhf_ws")
+    cwd = Path.cwd()
+    os.chdir(root)
+    try:
+        p = make_params(*TINY, "sft.epochs=40", "sft.lr=3e-3", "sft.micro_batch_size=16", "rm.max_steps=3")
+        prepare(p)
+        train_sft(p, root)
+        train_rm(p, root)
+    finally:
+        os.chdir(cwd)
+    prompts = root / "data/prepared/prompts.parquet"
+    pd.read_parquet(prompts).head(4).to_parquet(prompts)
+    for d in ("checkpoints", "metrics", "plots"):
+        shutil.rmtree(root / d, ignore_errors=True)
+    return root
+
+
+@pytest.fixture
+def ws(built, tmp_path, monkeypatch):
+    """A private copy of the built workspace (the stage writes outputs and checkpoints into it)."""
+    root = tmp_path / "ws"
+    shutil.copytree(built, root)
+    monkeypatch.chdir(root)
+    return root
+
+
+def _trainer(root, *overrides, evaluate=False, checkpoints=False, log=None, hooks=None):
+    from rlhf_core.rlhf.trainer import RLHFTrainer
+
+    return RLHFTrainer(params(*overrides), root, log, hooks, evaluate=evaluate, checkpoints=checkpoints).setup()
+
+
+# --------------------------------------------------------------------------- learning
+def test_grpo_raises_the_reward_under_a_fixed_seed(ws):
+    tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.grpo.group_size=8", "rlhf.lr=1e-3", "rlhf.num_steps=30",
+                  "rlhf.micro_batch_size=32")
+    assert not tr.maker.cfg.need_old_logp  # one optimizer step per buffer: no separate old-logp pass
+    metrics = [tr.step() for _ in range(30)]
+    scores = [m["score_mean"] for m in metrics]
+    first, last = sum(scores[:6]) / 6, sum(scores[-6:]) / 6
+    assert last >= first + 0.1, scores
+    assert metrics[-1]["kl"] > 0 and metrics[-1]["group_reward_std"] >= 0  # KL from the training pass' log-probs
+
+
+def test_ppo_step_metrics_and_kl_control(ws):
+    logged = []
+    tr = _trainer(ws, "rlhf.num_steps=2", "rlhf.kl_controller=adaptive", "rlhf.kl_target=0.001",
+                  "rlhf.kl_horizon=10", log=lambda m, s: logged.append((s, m)))
+    before = tr.kl_ctl.value
+    m = tr.step()
+    for key in ("score_mean", "score_std", "reward_mean", "reward_std", "kl", "kl_coef", "entropy", "clipfrac",
+                "approx_kl", "policy_loss", "value_loss", "explained_variance", "response_length", "eos_share",
+                "no_eos_share", "empty_dropped", "t_generate", "t_score", "t_train", "samples_per_s", "train_accuracy"):
+        assert key in m and m[key] == m[key] or key == "explained_variance", key
+    assert m["rows"] == 4 and logged and logged[-1][0] == 1
+    assert 0 <= m["eos_share"] <= 1 and m["response_length"] > 0
+    tr.step()
+    assert tr.kl_ctl.value != before  # adaptive: moved towards the target
+
+
+# --------------------------------------------------------------------------- outputs
+def test_ppo_stage_writes_models_metrics_and_plots(ws):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.meta import dir_sha256, read_meta
+    from rlhf_core.stages.rlhf import run
+
+    metrics = run(params("rlhf.num_steps=2", "rlhf.ema_decay=0.5"), ws)
+    for key in ("sft_accuracy", "accuracy", "kl_to_reference", "kl_bound", "steps", "wall_time_s"):
+        assert metrics[key] is not None, key
+    assert metrics["steps"] == 2 and metrics["kl_to_reference"] >= 0
+    assert json.loads((ws / "metrics/rlhf.json").read_text())["steps"] == 2
+    actor, critic = ws / "models/actor", ws / "models/critic"
+    assert (actor / "model.safetensors").exists() and (actor / "tokenizer.json").exists()
+    assert (critic / "value_head.safetensors").exists() and (critic / "model.safetensors").exists()
+    assert (ws / "models/actor_ema/model.safetensors").exists()
+    meta = read_meta(actor)
+    assert meta["stage"] == "rlhf" and meta["inputs"] == {"sft": dir_sha256(ws / "models/sft"),
+                                                          "rm": dir_sha256(ws / "models/rm")}
+    AutoModelForCausalLM.from_pretrained(str(actor), use_safetensors=True)
+    for name in ("rlhf_reward", "rlhf_kl", "rlhf_response_length"):
+        lines = (ws / f"plots/{name}.csv").read_text().splitlines()
+        assert lines[0] == "step,value" and len(lines) == 3
+
+
+def test_grpo_has_no_critic_and_needs_no_rm(ws):
+    from rlhf_core.meta import read_meta
+    from rlhf_core.stages.rlhf import run
+
+    shutil.rmtree(ws / "models/rm")
+    run(params("rlhf.algorithm=grpo", "rlhf.num_steps=1"), ws)
+    assert (ws / "models/actor").is_dir() and not (ws / "models/critic").exists()
+    assert set(read_meta(ws / "models/actor")["inputs"]) == {"sft"}
+
+
+# --------------------------------------------------------------------------- resume
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_stopped_run_resumes_from_its_step_and_matches_an_uninterrupted_run(ws, tmp_path):
+    from rlhf_core.rlhf.trainer import RLHFHooks, train_rlhf
+
+    common = ("rlhf.num_steps=4", "rlhf.save_every=1", "eval.max_prompts=2")
+    full = tmp_path / "full"
+    shutil.copytree(ws, full)
+    train_rlhf(params(*common), full)
+
+    class Stop(RuntimeError):
+        pass
+
+    def crash(step, metrics):
+        if step == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_rlhf(params(*common), ws, hooks=RLHFHooks(after_step=crash))
+    assert (ws / "checkpoints/rlhf/latest").read_text().strip() == "step_00000002"
+    seen = []
+    metrics = train_rlhf(params(*common), ws, hooks=RLHFHooks(after_step=lambda s, m: seen.append(s)))
+    assert metrics["resumed_from_step"] == 2 and metrics["steps"] == 4 and seen == [3, 4]
+    a, b = _weights(ws / "models/actor"), _weights(full / "models/actor")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert json.loads((ws / "metrics/rlhf.json").read_text())["steps"] == 4
+
+
+def test_max_steps_stops_early_and_a_rerun_continues(ws):
+    from rlhf_core.rlhf.trainer import train_rlhf
+
+    first = train_rlhf(params("rlhf.num_steps=3", "rlhf.max_steps=1", "rlhf.algorithm=grpo"), ws)
+    assert first["steps"] == 1
+    second = train_rlhf(params("rlhf.num_steps=3", "rlhf.algorithm=grpo"), ws)
+    assert second["resumed_from_step"] == 1 and second["steps"] == 3
+    fresh = train_rlhf(params("rlhf.num_steps=3", "rlhf.algorithm=grpo", "rlhf.lr=1e-3"), ws)
+    assert fresh["resumed_from_step"] == 0  # changed params: the old checkpoint does not apply
+
+
+# --------------------------------------------------------------------------- bad input
+def test_bad_input_errors_name_the_key_or_path(ws):
+    with pytest.raises(TrainingInputError, match=r"rlhf.reward_fns: unknown reward function\(s\) \['nope'\]"):
+        _trainer(ws, "rlhf.reward_fns={nope: 1.0}")
+    with pytest.raises(ConfigError, match=r"grpo.group_size 3 does not divide the training batch"):
+        params("rlhf.algorithm=grpo", "rlhf.grpo.group_size=3")
+    with pytest.raises(ConfigError, match=r"rloo needs ppo.samples_per_prompt >= 2"):
+        params("rlhf.ppo.advantage_estimator=rloo")
+    shutil.move(ws / "models/rm", ws / "rm_aside")
+    with pytest.raises(TrainingInputError, match=r"models/rm: no reward model, but PPO .* needs a critic"):
+        _trainer(ws)
+    with pytest.raises(TrainingInputError, match=r"rlhf.reward_fns names `rm` but models/rm"):
+        _trainer(ws, "rlhf.algorithm=grpo", "rlhf.reward_fns={rm: 1.0}")
+    shutil.move(ws / "rm_aside", ws / "models/rm")
+    shutil.rmtree(ws / "models/sft")
+    with pytest.raises(TrainingInputError, match=r"models/sft: no SFT model"):
+        _trainer(ws)
+
+
+def test_rm_with_another_tokenizer_is_retokenised_or_refused(ws):
+    from rlhf_core.data.tokenizer import train_demo_tokenizer
+
+    other = train_demo_tokenizer(["Human: What is 1 + 2?\n\nAssistant: 3"] * 20, vocab_size=40)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (ws / "models/rm" / f).unlink(missing_ok=True)
+    other.save_pretrained(ws / "models/rm")
+    with pytest.raises(ValueError, match=r"different tokenizer than the actor"):
+        _trainer(ws, "rlhf.reward_fns={rm: 1.0}", "rlhf.rm_tokenizer_mismatch=error")
+    tr = _trainer(ws, "rlhf.reward_fns={rm: 1.0, exact_answer: 1.0}", "rlhf.num_steps=1")
+    assert tr.step()["score_std"] > 0  # RM scores on re-tokenised text vary by response
+
+
+# --------------------------------------------------------------------------- LoRA and options
+def test_lora_reference_is_the_actor_with_adapters_disabled(ws):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.rlhf.experience import sequence_logprobs
+    from rlhf_core.rlhf.trainer import AdapterDisabled
+
+    tr = _trainer(ws, "compute.lora.enabled=true", "compute.lora.r=4", "rlhf.lr=1e-2", "rlhf.num_steps=2")
+    assert isinstance(tr.ref, AdapterDisabled)
+    for _ in range(2):
+        tr.step()
+    sft = AutoModelForCausalLM.from_pretrained(str(ws / "models/sft")).eval()
+    seq = torch.tensor([[5, 6, 7, 8, 9]])
+    att = torch.ones_like(seq)
+    with torch.no_grad():
+        ref = sequence_logprobs(tr.ref, seq, att, 3)
+        actor = sequence_logprobs(tr.actor.module, seq, att, 3)
+        expected = sequence_logprobs(sft, seq, att, 3)
+    assert torch.allclose(ref, expected, atol=1e-5) and not torch.allclose(actor, expected, atol=1e-5)
+    tr.finish()
+    saved = ws / "models/actor"
+    assert (saved / "model.safetensors").exists() and not (saved / "adapter").exists()  # merged on save
+
+
+@pytest.mark.parametrize("options", [
+    ("rlhf.ppo.kl_in=loss", "rlhf.ppo.dual_clip=3.0", "rlhf.entropy_coef=0.01", "rlhf.ptx_coef=0.5",
+     "rlhf.ppo_epochs=2", "rlhf.micro_batch_size=2", "rlhf.generation_batch_size=2", "rlhf.no_eos_penalty=-1.0",
+     "rlhf.ppo.value_clip_eps=null"),
+    ("rlhf.ppo.advantage_estimator=rloo", "rlhf.ppo.samples_per_prompt=2", "rlhf.kl_estimator=k3"),
+    ("rlhf.ppo.advantage_estimator=reinforce_pp", "rlhf.whiten_advantages=false", "rlhf.ema_decay=0.9"),
+    ("rlhf.algorithm=grpo", "rlhf.grpo.scale=none", "rlhf.grpo.beta=0", "rlhf.ppo_epochs=2"),
+])
+def test_options_run_and_stay_finite(ws, options):
+    tr = _trainer(ws, "rlhf.num_steps=2", *options)
+    for _ in range(2):
+        m = tr.step()
+        assert all(v == v for k, v in m.items() if k != "explained_variance"), m  # no NaN
+    assert (tr.critic is not None) == ("rlhf.algorithm=grpo" not in options
+                                       and not any("advantage_estimator" in o for o in options))
+
+
+# --------------------------------------------------------------------------- torchrun
+@pytest.mark.slow
+def test_ppo_step_with_two_processes_under_torchrun(ws):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    overrides = [*TINY, *RL, "rlhf.num_steps=1", "eval.max_prompts=4"]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rlhf_core.cli", "stage", "rlhf"]
+    for o in overrides:
+        cmd += ["-S", o]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLHF_TRACKING": "off", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ws, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = json.loads((ws / "metrics/rlhf.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 1 and metrics["rows_total"] == 4
+    assert (ws / "models/actor/model.safetensors").exists() and (ws / "models/critic/value_head.safetensors").exists()
