@@ -114,7 +114,8 @@ def rlhf_pipeline(
         create_table_artifact(_metric_rows(summary["stages"]), key="stage-metrics",
                               description="Per-stage status, wall time and metrics")
 
-        kinds = [k for k in ("reward", "critic", "actor") if (root_path / MODEL_DIRS[k]).is_dir()]
+        # a model directory counts once it holds a config (GRPO leaves models/critic with its meta file only)
+        kinds = [k for k in ("reward", "critic", "actor") if (root_path / MODEL_DIRS[k] / "config.json").is_file()]
         if kinds:
             lineage = tracking.lineage_tags(params, "register", root_path)
             lineage["rlhf.pipeline_run_id"] = parent.info.run_id
