@@ -183,7 +183,7 @@ class SFTConfig(OptimConfig):
     max_length: int | None = Field(
         None, ge=2, description="Tokens per row (prompt + response + EOS); null: data limits + 2. "
                                 "A prompt this long is an error; longer responses are cut and counted.")
-    epochs: int = Field(12, ge=1)
+    epochs: int = Field(20, ge=1)
     save_every: int = Field(100, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
 
 
@@ -218,7 +218,7 @@ class PPOConfig(_Section):
     advantage_estimator: Literal["gae", "rloo", "reinforce_pp"] = Field(
         "gae", description="`gae` trains a critic (from `models/rm`); `rloo` (needs samples_per_prompt >= 2) "
                            "and `reinforce_pp` are critic-free.")
-    samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt (RLOO's group).")
+    samples_per_prompt: int = Field(4, ge=1, description="Responses sampled per prompt (RLOO's group).")
 
 
 class GRPOConfig(_Section):
@@ -235,28 +235,30 @@ class RLHFConfig(OptimConfig):
     (`num_steps` counts rollout iterations) and `max_steps` > 0 stops early (a later run resumes)."""
 
     algorithm: Literal["ppo", "grpo"] = Field("ppo", description="`ppo` (actor + critic) or `grpo` (no critic).")
-    lr: float = Field(2e-4, gt=0.0, description="Actor learning rate.")
-    warmup_steps: int = Field(10, ge=0, description="LR warmup in optimizer steps (an iteration makes "
+    lr: float = Field(1e-4, gt=0.0, description="Actor learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="LR warmup in optimizer steps (an iteration makes "
                                                     "`ppo_epochs` x mini-batches of them).")
     epochs: int = Field(1, ge=1, description="Unused by RLHF: `num_steps` counts rollout iterations.")
-    micro_batch_size: int = Field(32, ge=1, description="Experience rows per forward/backward pass (per process).")
+    micro_batch_size: int = Field(64, ge=1, description="Experience rows per forward/backward pass (per process).")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step: a mini-batch is "
                                                  "micro_batch_size x grad_accum rows of the buffer per process.")
-    save_every: int = Field(0, ge=0, description="Checkpoint every N iterations; 0: only at the end.")
+    save_every: int = Field(50, ge=0, description="Checkpoint every N iterations; 0: only at the end.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "constant", description="LR decay after the linear warmup (RL: constant).")
     log_every: int = Field(10, ge=1, description="Log metrics every N iterations (and the first and last).")
     max_steps: int = Field(0, ge=0, description="Stop after this many rollout iterations (0: `num_steps`); the "
                                                 "schedule still spans `num_steps`, so a re-run resumes.")
-    prompts_per_step: int = Field(32, ge=1, description="Prompts per rollout iteration over all processes "
+    prompts_per_step: int = Field(64, ge=1, description="Prompts per rollout iteration over all processes "
                                                         "(must divide by the process count).")
     generation_batch_size: int = Field(
         0, ge=0, description="Prompts per generate call; the calls of one iteration fill the experience buffer "
                              "(DeepSpeed-Chat generation batches). 0: all of a process's prompts at once.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the experience buffer per iteration.")
-    num_steps: int = Field(30, ge=1, description="Rollout/train iterations.")
+    num_steps: int = Field(150, ge=1, description="Rollout/train iterations.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same scaling).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
     max_new_tokens: int = Field(8, ge=1, description="Response token limit during rollouts.")
-    kl_coef: float = Field(0.05, ge=0.0, description="PPO KL coefficient (initial value for `adaptive`).")
+    kl_coef: float = Field(0.02, ge=0.0, description="PPO KL coefficient (initial value for `adaptive`).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="PPO KL estimator (k1, k2, k3).")
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="PPO KL coefficient control.")
     kl_target: float = Field(6.0, gt=0.0, description="Adaptive controller: target KL (nats per sequence).")
@@ -264,7 +266,7 @@ class RLHFConfig(OptimConfig):
     reward_clip: float | None = Field(5.0, gt=0.0, description="Scores are clamped to [-clip, clip]; null: off.")
     whiten_advantages: bool = Field(True, description="PPO: normalise advantages over the experience buffer.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight in the actor loss.")
-    ptx_coef: float = Field(0.0, ge=0.0, description="Weight of an SFT (pretraining-mix) loss on sft.parquet.")
+    ptx_coef: float = Field(0.5, ge=0.0, description="Weight of an SFT (pretraining-mix) loss on sft.parquet.")
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0,
                                     description="EMA of the actor weights, saved to models/actor_ema; null: off.")
     no_eos_penalty: float | None = Field(None, description="Score assigned to responses without EOS; null: keep.")

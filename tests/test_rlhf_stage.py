@@ -27,7 +27,7 @@ TINY = ["model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2", "model.
         "model.tiny.num_hidden_layers=1", "model.tiny.intermediate_size=64", "data.demo.max_operand=4",
         "data.demo.n_rows=600", "compute.num_threads=1", "eval.max_prompts=16", "eval.max_new_tokens=4"]
 RL = ["rlhf.prompts_per_step=4", "rlhf.max_new_tokens=4", "rlhf.micro_batch_size=16", "rlhf.warmup_steps=0",
-      "rlhf.lr_scheduler=constant", "rlhf.log_every=1"]
+      "rlhf.lr_scheduler=constant", "rlhf.log_every=1", "rlhf.ppo.samples_per_prompt=1", "rlhf.save_every=0"]
 
 
 def params(*overrides: str):
@@ -187,7 +187,7 @@ def test_bad_input_errors_name_the_key_or_path(ws):
     with pytest.raises(ConfigError, match=r"grpo.group_size 3 does not divide the training batch"):
         params("rlhf.algorithm=grpo", "rlhf.grpo.group_size=3")
     with pytest.raises(ConfigError, match=r"rloo needs ppo.samples_per_prompt >= 2"):
-        params("rlhf.ppo.advantage_estimator=rloo")
+        params("rlhf.ppo.advantage_estimator=rloo", "rlhf.ppo.samples_per_prompt=1")
     shutil.move(ws / "models/rm", ws / "rm_aside")
     with pytest.raises(TrainingInputError, match=r"models/rm: no reward model, but PPO .* needs a critic"):
         _trainer(ws)

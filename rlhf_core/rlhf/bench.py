@@ -34,7 +34,7 @@ BENCH_COMMON = [
 ]
 BENCH_ALGO = {
     "grpo": ["rlhf.algorithm=grpo", "rlhf.prompts_per_step=16", "rlhf.grpo.group_size=8", "rlhf.grpo.beta=0.04"],
-    "ppo": ["rlhf.algorithm=ppo", "rlhf.prompts_per_step=128", "rlhf.kl_coef=0.05"],
+    "ppo": ["rlhf.algorithm=ppo", "rlhf.prompts_per_step=128", "rlhf.ppo.samples_per_prompt=1", "rlhf.kl_coef=0.05"],
 }
 
 
