@@ -24,9 +24,6 @@ def test_bench_sft_cli_prints_throughput_and_mfu(tmp_path):
         assert result[key] > 0, key
     assert result["params"] == result["embedding_params"] + result["non_embedding_params"]
     assert abs(result["achieved_gflops"] - 6 * result["params"] * result["tokens_per_s"] / 1e9) < 1e-6
-    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "bench", "sft", *TINY], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0 and "MFU" in proc.stdout and "tokens_per_s" in proc.stdout
 
 
 def test_bench_rm_counts_chosen_and_rejected_tokens():
@@ -36,4 +33,6 @@ def test_bench_rm_counts_chosen_and_rejected_tokens():
                   matmul_n=256)
     assert r.kind == "rm" and r.steps_timed == 2
     assert abs(r.step_time_s * r.tokens_per_s - 2 * 2 * 16) < 1e-6  # 2 pairs x (chosen + rejected) x 16 tokens
-    assert r.mfu > 0 and "MFU" in r.table()
+    assert r.mfu > 0 and r.mfu_best >= r.mfu
+    table = r.table()
+    assert "MFU" in table and "tokens_per_s" in table and "peak matmul GFLOP/s" in table

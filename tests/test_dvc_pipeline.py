@@ -57,11 +57,11 @@ def test_repro_skips_unchanged_and_reruns_on_param_change(dvc_repo):
 def test_push_and_pull_against_local_remote(dvc_repo):
     dvc(dvc_repo, "repro", "prepare")
     digest = (dvc_repo / "data/prepared/sft.parquet").read_bytes()
-    dvc(dvc_repo, "push")
+    dvc(dvc_repo, "push", "prepare")
     remote = dvc_repo / ".rlhf" / "dvc-remote"
     assert any(p.is_file() for p in remote.rglob("*")), "nothing reached the local remote"
     shutil.rmtree(dvc_repo / "data" / "prepared")
     shutil.rmtree(dvc_repo / ".dvc" / "cache")
-    dvc(dvc_repo, "pull")
+    dvc(dvc_repo, "pull", "prepare")
     assert (dvc_repo / "data/prepared/sft.parquet").read_bytes() == digest
     assert os.path.exists(dvc_repo / "models/base/tokenizer.json")

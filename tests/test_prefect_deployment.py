@@ -23,6 +23,7 @@ def test_scheduled_deployment_runs_on_a_process_worker(tmp_path):
         env = {**os.environ, **server_env, "PREFECT_API_URL": api, "RLHF_PROJECT_DIR": str(project),
                "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RLHF_TRACKING": "on",
                "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+        env.pop("MLFLOW_TRACKING_URI", None)  # the embedded SQLite store of the project
 
         def prefect(*args, check=True):
             proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=project, env=env,

@@ -101,6 +101,13 @@ def test_ppo_step_metrics_and_kl_control(ws):
     assert tr.kl_ctl.value != before  # adaptive: moved towards the target
 
 
+def test_every_iteration_gets_full_prompt_batches_across_epochs(ws):
+    tr = _trainer(ws, "rlhf.prompts_per_step=3")
+    stream = torch.cat([tr.prompt_indices(k) for k in range(4)])  # 12 = 3 epochs of the 4 prompts
+    assert all(sorted(chunk.tolist()) == [0, 1, 2, 3] for chunk in stream.view(3, 4))
+    assert torch.equal(tr.prompt_indices(2), tr.prompt_indices(2))  # a function of the step: resumable
+
+
 # --------------------------------------------------------------------------- outputs
 def test_ppo_stage_writes_models_metrics_and_plots(ws):
     from transformers import AutoModelForCausalLM
