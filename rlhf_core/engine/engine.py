@@ -64,6 +64,8 @@ class TrainEngine:
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             dist_init_required=False)
+        if D.world_size() == 1 and compute.zero_stage == 0:
+            self.ds.enable_backward_allreduce = False  # nothing to reduce; skips flattening every gradient
         self._trainable = [p for p in self.ds.module.parameters() if p.requires_grad]
         self._grad_norm: float | None = None
 

@@ -41,7 +41,6 @@ from rlhf_core.algos import (
     kl_estimate,
     kl_penalized_rewards,
     logprobs_from_logits,
-    masked_mean,
     masked_whiten,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -432,17 +431,6 @@ def sampled_kl(exp: Experience, kind: str = "k1") -> torch.Tensor:
     mask = exp.action_mask.bool()
     kl = kl_estimate(exp.old_logp, exp.ref_logp, kind)
     return torch.where(mask, kl, torch.zeros(())).sum(dim=1)
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """``1 - Var(R - V) / Var(R)`` over valid tokens (NaN when returns have no variance)."""
-    m = mask.bool()
-    if m.sum() < 2:
-        return float("nan")
-    var_r = masked_mean((returns - masked_mean(returns, m)) ** 2, m)
-    diff = returns - values
-    var_d = masked_mean((diff - masked_mean(diff, m)) ** 2, m)
-    return float(1 - var_d / var_r) if var_r > 0 else float("nan")
 
 
 def n_minibatches(rows_per_process: int, micro_batch_size: int, grad_accum: int) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core import paths
-from rlhf_core.algos import AdaptiveKLController, FixedKLController, masked_mean
+from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import Params
 from rlhf_core.data.collate import Ragged, encode_prompts, left_pad_prompts
 from rlhf_core.engine import distributed as D
@@ -89,7 +89,7 @@ class AdapterDisabled:
 
 
 # --------------------------------------------------------------------------- checks
-def check_inputs(params: Params, root: Path) -> dict[str, Path]:
+def check_inputs(params: Params, root: Path) -> dict:
     """Fail early, naming the key or path, on inputs the stage cannot use."""
     cfg = params.rlhf
     sft_dir, rm_dir = root / paths.SFT_MODEL, root / paths.RM_MODEL
@@ -330,9 +330,22 @@ class RLHFTrainer:
     def _columns(self, idx: list[int]) -> dict[str, list]:
         return {"answer": [self.answers[i] for i in idx]} if self.has_answers else {}
 
+    def prompt_indices(self, step: int) -> torch.Tensor:
+        """This rank's prompts for iteration ``step``: always ``prompts_per_step / world`` of them, read from the
+        endless stream of per-epoch permutations (sharded ``rank::world``), so a batch that reaches the end of
+        an epoch continues into the next one. Depends only on (seed, step, rank): resumable."""
+        n, per = self.per_rank_prompts, self.sampler.plan.per_rank
+        pos = torch.arange(step * n, (step + 1) * n)
+        epochs = pos // per
+        out = torch.empty(n, dtype=torch.long)
+        for e in epochs.unique().tolist():
+            sel = epochs == e
+            out[sel] = self.sampler.shard(e)[pos[sel] % per]
+        return out
+
     def collect(self, step: int) -> Experience:
         """This rank's experience buffer for iteration ``step`` (generation batches concatenated)."""
-        idx = self.sampler.batch(step)
+        idx = self.prompt_indices(step)
         gb = self.cfg.generation_batch_size or len(idx)
         parts = []
         for start in range(0, len(idx), gb):
@@ -641,7 +654,3 @@ def train_rlhf(params: Params, root: str | Path = ".", log: LogFn | None = None,
     trainer = RLHFTrainer(params, root, log, hooks).setup()
     trainer.train()
     return trainer.finish()
-
-
-def masked_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(masked_mean(x, mask))
