@@ -254,7 +254,7 @@ class RLHFConfig(OptimConfig):
         0, ge=0, description="Prompts per generate call; the calls of one iteration fill the experience buffer "
                              "(DeepSpeed-Chat generation batches). 0: all of a process's prompts at once.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the experience buffer per iteration.")
-    num_steps: int = Field(150, ge=1, description="Rollout/train iterations.")
+    num_steps: int = Field(120, ge=1, description="Rollout/train iterations.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same scaling).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
     max_new_tokens: int = Field(8, ge=1, description="Response token limit during rollouts.")
