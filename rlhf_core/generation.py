@@ -45,6 +45,7 @@ class Rollout:
     responses: torch.Tensor  # [B, R]
     action_mask: torch.Tensor  # [B, R]: response tokens up to and including the first EOS
     texts: list[str]  # decoded responses (without EOS and what follows)
+    eos_token_id: int = -1
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -56,13 +57,14 @@ class Rollout:
 
     @property
     def ended(self) -> torch.Tensor:
-        """Rows whose response ended with EOS (last action token is EOS)."""
-        return self.action_mask.sum(dim=1) < self.responses.shape[1]
+        """Rows whose response ended with EOS (also when the EOS is the last generated token)."""
+        last = (self.action_mask.sum(dim=1) - 1).clamp(min=0)
+        return self.responses.gather(1, last[:, None]).squeeze(1) == self.eos_token_id
 
     def select(self, keep: torch.Tensor) -> Rollout:
         idx = keep.nonzero(as_tuple=True)[0]
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.responses[idx], self.action_mask[idx],
-                       [self.texts[i] for i in idx.tolist()])
+                       [self.texts[i] for i in idx.tolist()], self.eos_token_id)
 
 
 def encode_prompts(tokenizer, prompts: list[str], max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +100,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     mask = response_mask(responses, tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(responses * mask + tokenizer.pad_token_id * (1 - mask),
                                    skip_special_tokens=True)
-    return Rollout(prompt_ids, prompt_mask, responses, mask, texts)
+    return Rollout(prompt_ids, prompt_mask, responses, mask, texts, tokenizer.eos_token_id)
 
 
 def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

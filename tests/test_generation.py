@@ -37,12 +37,12 @@ def test_pad_token_is_not_taken_for_eos():
 
 
 def test_rollout_ended_and_select():
-    r = Rollout(torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long),
-                torch.tensor([[5, EOS, PAD], [5, 6, 7], [EOS, PAD, PAD]]),
-                response_mask(torch.tensor([[5, EOS, PAD], [5, 6, 7], [EOS, PAD, PAD]]), EOS), ["a", "b", ""])
-    assert r.ended.tolist() == [True, False, True]
-    kept = r.select(torch.tensor([True, False, True]))
-    assert kept.texts == ["a", ""] and kept.responses.shape == (2, 3)
+    resp = torch.tensor([[5, EOS, PAD], [5, 6, 7], [EOS, PAD, PAD], [5, 6, EOS]])
+    r = Rollout(torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long), resp,
+                response_mask(resp, EOS), ["a", "b", "", "c"], EOS)
+    assert r.ended.tolist() == [True, False, True, True]  # EOS in the last column still ends the row
+    kept = r.select(torch.tensor([True, False, True, False]))
+    assert kept.texts == ["a", ""] and kept.responses.shape == (2, 3) and kept.ended.tolist() == [True, True]
 
 
 def test_position_ids_ignore_left_padding():
