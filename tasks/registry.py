@@ -81,9 +81,8 @@ def _log_model(kind: str, model_dir: Path, name: str):
                       "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
         return mlflow.transformers.log_model(transformers_model=components, task="text-generation", name=kind,
                                              registered_model_name=name, pip_requirements=pip_requirements())
-    from rlhf_core.serving import ScorerModel
-
     import rlhf_core
+    from rlhf_core.serving import ScorerModel
 
     return mlflow.pyfunc.log_model(name=kind, python_model=ScorerModel(), artifacts={"model": str(model_dir)},
                                    registered_model_name=name, pip_requirements=pip_requirements(),
