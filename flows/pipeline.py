@@ -21,7 +21,6 @@ from prefect.tasks import exponential_backoff
 
 from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
-from rlhf_core.stages.evaluate import CHAMPION_ENV
 from tasks.gates import evaluation_gate
 from tasks.registry import CHAMPION, alias_version, promote_task, record_gate, register_models
 from tasks.stages import STAGE_ORDER, run_stage
@@ -103,12 +102,12 @@ def rlhf_pipeline(
                tracking.ENV_TRACKING: "on"}
         champion = alias_version(f"{prefix}-actor", CHAMPION)
         if champion:
-            env[CHAMPION_ENV] = f"models:/{prefix}-actor/{champion}"
+            env[tracking.ENV_CHAMPION] = f"models:/{prefix}-actor/{champion}"
         stage_task = run_stage.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_s),
                                             timeout_seconds=STAGE_TIMEOUT_S[backend])
         for stage in STAGE_ORDER:
             if stage in wanted:
-                rerun = force or (stage == "evaluate" and champion_changed(root_path, env.get(CHAMPION_ENV)))
+                rerun = force or (stage == "evaluate" and champion_changed(root_path, env.get(tracking.ENV_CHAMPION)))
                 summary["stages"].append(stage_task(stage, root=str(root_path), backend=backend, env=env,
                                                     force=rerun))
         create_table_artifact(_metric_rows(summary["stages"]), key="stage-metrics",

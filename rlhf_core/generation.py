@@ -68,15 +68,16 @@ class Rollout:
 
 
 def encode_prompts(tokenizer, prompts: list[str], max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask (left-truncated to ``max_len`` when given)."""
-    side, tside = tokenizer.padding_side, tokenizer.truncation_side
-    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
-    try:
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                        truncation=max_len is not None, max_length=max_len)
-    finally:
-        tokenizer.padding_side, tokenizer.truncation_side = side, tside
-    return enc["input_ids"], enc["attention_mask"]
+    """Left-padded prompt ids and mask, tokenised exactly as in training (``collate.encode_prompts``: BOS where
+    the tokenizer adds one) and left-truncated to the last ``max_len`` tokens when given."""
+    from rlhf_core.data.collate import encode_prompts as encode_ragged
+    from rlhf_core.data.collate import keep_last_tokens
+
+    toks = encode_ragged(tokenizer, prompts)
+    if max_len is not None:
+        toks = keep_last_tokens(toks, max_len)
+    ids, valid = toks.pad(pad_value=tokenizer.pad_token_id, side="left")
+    return ids, valid.long()
 
 
 @torch.inference_mode()

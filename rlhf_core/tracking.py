@@ -26,6 +26,7 @@ from rlhf_core.meta import git_sha
 
 ENV_PARENT = "RLHF_PARENT_RUN_ID"
 ENV_TRACKING = "RLHF_TRACKING"
+ENV_CHAMPION = "RLHF_CHAMPION_URI"  # the registered champion actor the evaluate stage compares against
 LogFn = Callable[[dict, int], None]
 
 # which prepared files each stage consumes (logged with mlflow.log_input)

@@ -15,6 +15,7 @@ from rlhf_core.data.collate import (
     build_sft_data,
     collate_pairs,
     collate_sft,
+    keep_last_tokens,
     left_pad_prompts,
 )
 
@@ -38,6 +39,14 @@ def test_ragged_pad_right_and_left():
     assert ids.tolist() == [[9, 10], [0, 8]]
     assert valid.tolist() == [[True, True], [False, True]]
     assert r.select(torch.tensor([2, 0])).flat.tolist() == [9, 10, 5, 6, 7]
+
+
+def test_keep_last_tokens_cuts_on_the_left_only_rows_over_the_limit():
+    r = Ragged.from_lists([[1, 2, 3, 4, 5], [6], [7, 8, 9]])
+    cut = keep_last_tokens(r, 3)
+    assert cut.lengths.tolist() == [3, 1, 3]
+    assert cut.flat.tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert keep_last_tokens(r, 5) is r
 
 
 def test_prompt_tokens_carry_ignore_label_and_pad_is_never_counted():

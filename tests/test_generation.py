@@ -73,3 +73,31 @@ def test_response_logprobs_score_token_t_plus_one():
     # token 3 is scored by the logits at the position of token 1, token 2 by those at token 3
     expected = torch.tensor([[table[1, 3], table[3, 2]]])
     assert torch.allclose(logp, expected, atol=1e-6)
+
+
+def _bos_tokenizer():
+    """A word-level tokenizer whose post-processor prepends BOS, like Llama's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "a": 4, "b": 5, "c": 6}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def test_generation_prompts_are_tokenised_like_sft_training_rows():
+    """Eval/RL prompts carry the BOS that SFT rows were trained with, left-padded and left-truncated."""
+    from rlhf_core.data.collate import encode_sequences
+    from rlhf_core.generation import encode_prompts
+
+    tok = _bos_tokenizer()
+    ids, mask = encode_prompts(tok, ["a b c", "b"])
+    assert ids.tolist() == [[1, 4, 5, 6], [0, 0, 1, 5]]
+    assert mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
+    trained = encode_sequences(tok, ["a b c"], ["a"], 16, "sft.parquet", "sft.max_length")
+    assert trained.tokens.flat[: int(trained.prompt_lens[0])].tolist() == ids[0].tolist()
+    ids, mask = encode_prompts(tok, ["a b c", "b"], max_len=2)
+    assert ids.tolist() == [[5, 6], [1, 5]]

@@ -240,6 +240,15 @@ def collate_pairs(data: PairData, idx: torch.Tensor, pad_id: int) -> dict[str, t
     return {"input_ids": torch.cat([c, r]), "attention_mask": torch.cat([cm, rm]).long()}
 
 
+def keep_last_tokens(rows: Ragged, limit: int) -> Ragged:
+    """Each row cut to its last ``limit`` tokens (left truncation, as ``data.truncation: left``)."""
+    if not len(rows) or int(rows.lengths.max()) <= limit:
+        return rows
+    ids, valid = rows.pad(side="left")
+    ids, valid = ids[:, -limit:], valid[:, -limit:]
+    return Ragged.from_lengths(ids[valid], valid.sum(dim=1))
+
+
 def left_pad_prompts(prompts: Ragged, idx: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
     """Left-padded prompt batch for generation."""
     ids, valid = prompts.pad(idx, pad_value=pad_id, side="left")

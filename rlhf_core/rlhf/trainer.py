@@ -28,7 +28,7 @@ import torch
 from rlhf_core import paths
 from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import Params
-from rlhf_core.data.collate import Ragged, encode_prompts, left_pad_prompts
+from rlhf_core.data.collate import Ragged, encode_prompts, keep_last_tokens, left_pad_prompts
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import NonFiniteLossError, TrainingInputError
 from rlhf_core.engine.loop import LogFn, TrainState
@@ -245,12 +245,8 @@ class RLHFTrainer:
         return self
 
     def _encode(self, prompts: list[str]) -> Ragged:
-        toks = encode_prompts(self.tokenizer, prompts)
-        limit = self.params.data.max_prompt_len
-        if len(toks) and int(toks.lengths.max()) > limit:  # prepare already cut them; keep the last tokens
-            rows = [r[-limit:] for r in self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]]
-            toks = Ragged.from_lists(rows)
-        return toks
+        # prepare already cut the prompts; the BOS a tokenizer adds may take them one over
+        return keep_last_tokens(encode_prompts(self.tokenizer, prompts), self.params.data.max_prompt_len)
 
     def _setup_ptx(self) -> None:
         from rlhf_core.data.collate import build_sft_data, encode_sequences

@@ -21,23 +21,22 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rlhf_core import paths
+from rlhf_core import paths, tracking
 from rlhf_core.config import Params
 from rlhf_core.generation import generate, position_ids
 from rlhf_core.meta import dir_sha256, write_json_atomic
 from rlhf_core.rewards import check_answer
 from rlhf_core.rewards.sources import RM_SOURCE, RewardSources
 
-CHAMPION_ENV = "RLHF_CHAMPION_URI"
 
-
-def load_causal_lm(path: str | Path, trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
-
+def load_policy(path: str | Path, params: Params):
+    """A saved policy and its tokenizer, in eval mode (LoRA adapters merged as in training)."""
     from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.models import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, trust_remote_code=trust_remote_code)
-    return model.eval(), load_tokenizer(path, trust_remote_code)
+    trc = params.model.trust_remote_code
+    model = load_causal_lm(path, trust_remote_code=trc, attn_implementation=params.compute.attn_implementation)
+    return model.eval(), load_tokenizer(path, trc)
 
 
 def load_champion(uri: str):
@@ -109,16 +108,15 @@ def evaluate(params: Params, root: str | Path = ".", log=None) -> dict:
     for d in (actor_dir, sft_dir):
         if not d.is_dir():
             raise ValueError(f"{d} is missing: run the earlier stages first")
-    trc = params.model.trust_remote_code
-    candidate, tok = load_causal_lm(actor_dir, trc)
-    reference, _ = load_causal_lm(sft_dir, trc)
+    candidate, tok = load_policy(actor_dir, params)
+    reference, _ = load_policy(sft_dir, params)
     weights = {RM_SOURCE: 1.0} if rm_dir.is_dir() else {k: v for k, v in params.rlhf.reward_fns.items()
                                                            if k != RM_SOURCE}
     reward_fn = RewardSources(weights, rm_dir, tok, params.rlhf.rm_tokenizer_mismatch)
     columns = {"answer": answers} if answers is not None else {}
 
     models = {"candidate": (candidate, tok), "reference": (reference, tok)}
-    champion_uri = os.environ.get(CHAMPION_ENV)
+    champion_uri = os.environ.get(tracking.ENV_CHAMPION)
     if champion_uri:
         models["champion"] = load_champion(champion_uri)
     results, rewards = {}, {}
