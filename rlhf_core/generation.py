@@ -37,15 +37,14 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class Rollout:
-    """Left-padded prompts, responses and their masks: ``sequences = cat(prompt_ids, responses)``."""
+class PromptResponseBatch:
+    """Left-padded prompts, responses and their masks: ``sequences = cat(prompt_ids, responses)``, attended
+    where ``cat(prompt_mask, action_mask)`` is 1 (so nothing after a response's first EOS is attended)."""
 
     prompt_ids: torch.Tensor  # [B, P] left-padded
     prompt_mask: torch.Tensor  # [B, P]
     responses: torch.Tensor  # [B, R]
     action_mask: torch.Tensor  # [B, R]: response tokens up to and including the first EOS
-    texts: list[str]  # decoded responses (without EOS and what follows)
-    eos_token_id: int = -1
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -54,6 +53,14 @@ class Rollout:
     @property
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.action_mask], dim=1)
+
+
+@dataclass
+class Rollout(PromptResponseBatch):
+    """Sampled (or greedy) responses to a batch of prompts."""
+
+    texts: list[str]  # decoded responses (without EOS and what follows)
+    eos_token_id: int = -1
 
     @property
     def ended(self) -> torch.Tensor:
@@ -80,28 +87,47 @@ def encode_prompts(tokenizer, prompts: list[str], max_len: int | None = None) ->
     return ids, valid.long()
 
 
-@torch.inference_mode()
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    do_sample: bool = True
+    synced_gpus: bool = False
+    min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: a fixed workload)
+
+
+def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenizer, gen: GenerationConfig) -> Rollout:
+    """Sample one response per (left-padded) prompt row with the KV cache; masks from the first EOS.
+
+    Prompts come pre-tokenised (once per run, with the same special tokens as SFT training); greedy when
+    ``do_sample`` is false. Generation runs under ``torch.inference_mode()``; the returned tensors are
+    ordinary (cloned) tensors, usable in training passes.
+    """
+    device = next(model.parameters()).device
+    kwargs = ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
+              if gen.do_sample else {"do_sample": False})
+    with torch.inference_mode():
+        out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
+                             max_new_tokens=gen.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=gen.synced_gpus,
+                             **({"min_new_tokens": gen.min_new_tokens} if gen.min_new_tokens else {}), **kwargs)
+    responses = out[:, prompt_ids.shape[1]:].cpu().clone()
+    if responses.shape[1] == 0:
+        responses = torch.full((prompt_ids.shape[0], 1), tokenizer.eos_token_id, dtype=prompt_ids.dtype)
+    mask = response_mask(responses, tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(torch.where(mask.bool(), responses, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    return Rollout(prompt_ids.cpu(), prompt_mask.cpu(), responses, mask, texts, tokenizer.eos_token_id)
+
+
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, do_sample: bool = True, max_prompt_len: int | None = None) -> Rollout:
-    """Sample (or greedily decode, with ``do_sample=False`` or ``temperature == 0``) one response per prompt.
-
-    Uses the KV cache; stops when every row has produced EOS or after ``max_new_tokens``.
-    """
+    """Sample (or greedily decode, with ``do_sample=False`` or ``temperature == 0``) one response per prompt
+    text: ``encode_prompts`` then ``rollout``."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_len)
-    device = next(model.parameters()).device
-    greedy = not do_sample or temperature == 0
-    kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p,
-                                                  "top_k": 0}
-    out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
-                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, use_cache=True, **kwargs)
-    responses = out[:, prompt_ids.shape[1]:].cpu()
-    if responses.shape[1] == 0:
-        responses = torch.full((len(prompts), 1), tokenizer.eos_token_id, dtype=prompt_ids.dtype)
-    mask = response_mask(responses, tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(responses * mask + tokenizer.pad_token_id * (1 - mask),
-                                   skip_special_tokens=True)
-    return Rollout(prompt_ids, prompt_mask, responses, mask, texts, tokenizer.eos_token_id)
+    gen = GenerationConfig(max_new_tokens, temperature, top_p, do_sample=do_sample and temperature > 0)
+    return rollout(model, prompt_ids, prompt_mask, tokenizer, gen)
 
 
 def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

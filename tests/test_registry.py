@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from rlhf_core.data.tokenizer import train_demo_tokenizer
 from rlhf_core.meta import build_meta, write_meta
-from tests.servers import mlflow_server
+from tests.servers import mlflow_server, project_copy
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -106,3 +107,61 @@ def test_unreachable_mlflow_fails_fast_before_training(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert "MLflow tracking server http://127.0.0.1:9 is unreachable" in proc.stderr
     assert not (tmp_path / "data").exists()
+
+
+def _cli(project: Path, uri: str, *args: str, **kw):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "RLHF_TRACKING": "on", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(REPO), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    return [sys.executable, "-m", "flows.cli", *args], {"cwd": project, "env": env, "text": True, **kw}
+
+
+def test_mlflow_outage_mid_stage_keeps_the_model_and_register_retries_later(tmp_path):
+    """The server dies while the RM trains: the stage still finishes and saves models/rm; `rlhf register`
+    fails clearly while MLflow is down and registers the model once it is back (same store, new port)."""
+    from mlflow import MlflowClient
+
+    project = project_copy(tmp_path / "project", {
+        "data": {"demo": {"n_rows": 400}},
+        "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "num_key_value_heads": 2}},
+        "rm": {"init_from": "base", "epochs": 1, "max_steps": 600, "micro_batch_size": 4, "log_every": 1,
+               "save_every": 1000},
+        "tracking": {"system_metrics": False, "registry_prefix": "outage"},
+    })
+    store = tmp_path / "mlflow"
+    store.mkdir()
+    with mlflow_server(store) as uri:
+        cmd, kw = _cli(project, uri, "stage", "prepare", capture_output=True)
+        assert subprocess.run(cmd, **kw, timeout=300).returncode == 0
+        cmd, kw = _cli(project, uri, "stage", "rm", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, **kw)
+        seen = []
+        for line in proc.stdout:  # wait until training logs its first steps, then take the server down
+            seen.append(line)
+            if '"step": 5' in line:
+                break
+        else:
+            pytest.fail("rm never logged a step:\n" + "".join(seen[-20:]))
+    rest = proc.stdout.read()  # the server is gone (the context manager killed it); training goes on
+    assert proc.wait(timeout=600) == 0, rest[-3000:]
+    assert "MLflow failed during stage 'rm'" in rest and "run `rlhf register`" in rest
+    metrics = json.loads((project / "metrics" / "rm.json").read_text())
+    assert metrics["steps"] == 600, "training stopped early"
+    assert (project / "models" / "rm" / "config.json").is_file() and (project / "models" / "rm" /
+                                                                     "value_head.safetensors").is_file()
+
+    cmd, kw = _cli(project, uri, "register", "--kind", "reward", capture_output=True)
+    down = subprocess.run(cmd, **kw, timeout=300)
+    assert down.returncode == 3 and "unreachable" in down.stderr, down.stderr
+
+    with mlflow_server(store) as uri2:
+        cmd, kw = _cli(project, uri2, "register", "--kind", "reward", capture_output=True)
+        up = subprocess.run(cmd, **kw, timeout=600)
+        assert up.returncode == 0, up.stderr
+        assert "reward: outage-reward v1 (new)" in up.stdout
+        again = subprocess.run(cmd, **kw, timeout=600)
+        assert "reward: outage-reward v1 (already registered)" in again.stdout, again.stdout + again.stderr
+        version = MlflowClient(uri2).get_model_version("outage-reward", "1")
+        assert version.tags["rlhf.content_hash"]
+        runs = MlflowClient(uri2).search_runs([MlflowClient(uri2).get_experiment_by_name("rlhf-demo").experiment_id])
+        assert any(r.info.run_name == "rm" for r in runs), "the rm run logged before the outage is gone"

@@ -45,7 +45,13 @@ from rlhf_core.algos import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from rlhf_core.generation import Rollout, ended_with_eos, position_ids, response_mask
+from rlhf_core.generation import (
+    GenerationConfig,
+    PromptResponseBatch,
+    ended_with_eos,
+    position_ids,
+    rollout,
+)
 
 __all__ = [
     "Experience",
@@ -91,40 +97,6 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
 
 
 # --------------------------------------------------------------------------- generation
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    do_sample: bool = True
-    synced_gpus: bool = False
-    min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: a fixed workload)
-
-
-def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenizer, gen: GenerationConfig) -> Rollout:
-    """Sample one response per (left-padded) prompt row with the KV cache; masks from the first EOS.
-
-    Prompts come pre-tokenised (once per run, with the same special tokens as SFT training); greedy when
-    ``do_sample`` is false. Generation runs under ``torch.inference_mode()``; the returned tensors are
-    ordinary (cloned) tensors, usable in training passes.
-    """
-    device = next(model.parameters()).device
-    kwargs = ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
-              if gen.do_sample else {"do_sample": False})
-    with torch.inference_mode():
-        out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
-                             max_new_tokens=gen.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=gen.synced_gpus,
-                             **({"min_new_tokens": gen.min_new_tokens} if gen.min_new_tokens else {}), **kwargs)
-    responses = out[:, prompt_ids.shape[1]:].cpu().clone()
-    if responses.shape[1] == 0:
-        responses = torch.full((prompt_ids.shape[0], 1), tokenizer.eos_token_id, dtype=prompt_ids.dtype)
-    mask = response_mask(responses, tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(torch.where(mask.bool(), responses, tokenizer.pad_token_id),
-                                   skip_special_tokens=True)
-    return Rollout(prompt_ids.cpu(), prompt_mask.cpu(), responses, mask, texts)
-
-
 def empty_response(responses: torch.Tensor, action_mask: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """Rows whose response has no token before its EOS (the only action is the EOS itself)."""
     return (action_mask.sum(dim=1) <= 1) & (responses[:, 0] == eos_token_id)
@@ -135,7 +107,7 @@ _OPTIONAL = ("old_logp", "ref_logp", "values", "rewards", "advantages", "returns
 
 
 @dataclass
-class Experience:
+class Experience(PromptResponseBatch):
     """Training rows: ``sequences = cat(prompt_ids, responses)``; ``[B, R]`` tensors are over response tokens.
 
     ``scores``: sequence score (reward sources, no-EOS penalty applied); ``seq_adv``: a sequence-level
@@ -143,10 +115,6 @@ class Experience:
     group advantage, RLOO: leave-one-out score); ``group``: row's prompt id within the iteration.
     """
 
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P]
-    responses: torch.Tensor  # [B, R]
-    action_mask: torch.Tensor  # [B, R] long 0/1
     scores: torch.Tensor  # [B]
     group: torch.Tensor  # [B] long
     old_logp: torch.Tensor | None = None
@@ -160,14 +128,6 @@ class Experience:
 
     def __len__(self) -> int:
         return self.responses.shape[0]
-
-    @property
-    def sequences(self) -> torch.Tensor:
-        return torch.cat([self.prompt_ids, self.responses], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.action_mask], dim=1)
 
     @property
     def response_len(self) -> int:

@@ -1,4 +1,4 @@
-"""Pieces the SFT and RM trainers share: reading splits, fingerprints, eval sharding, writing outputs."""
+"""Pieces the SFT and RM trainers share: reading splits, fingerprints, resume-or-start, eval sharding, outputs."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from rlhf_core import paths
 from rlhf_core.config import OptimConfig, Params
 from rlhf_core.data.readers import DataError
 from rlhf_core.engine import distributed as D
-from rlhf_core.engine.checkpoint import commit_dir, make_temp_dir
+from rlhf_core.engine.checkpoint import CheckpointManager, commit_dir, make_temp_dir
 from rlhf_core.engine.engine import TrainEngine
+from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.meta import build_meta, dir_sha256, file_sha256, write_json_atomic, write_meta
 
 # Keys of a stage section that do not change what is trained (excluded from the resume fingerprint).
@@ -130,3 +131,54 @@ def write_outputs(root: Path, stage: str, metrics: dict, curve_name: str, curve:
 
 def stage_meta(stage: str, params: Params, inputs: dict[str, str], **extra) -> dict:
     return build_meta(stage, params.section_hash("project", "data", "model", "compute", stage), inputs, **extra)
+
+
+def checkpoints_for(root: Path, params: Params, stage: str, section: OptimConfig,
+                    inputs: dict[str, str]) -> CheckpointManager:
+    """``checkpoints/<stage>/``, keyed by what the run trains (``fingerprint``)."""
+    return CheckpointManager(root / paths.CHECKPOINTS / stage, fingerprint(params, stage, section, inputs),
+                             section.keep_checkpoints)
+
+
+def resume_or_start(ckpt: CheckpointManager, engine: TrainEngine, resume: bool, evaluate_initial: Callable[[], dict],
+                    seed: int) -> tuple[TrainState, int]:
+    """Continue from the newest matching checkpoint, or start fresh: evaluate the initial model (kept in
+    ``state.extra["before"]`` so a resumed run still reports it) and seed this rank's RNG.
+    Returns the state and the step it resumed from (0 when fresh)."""
+    tag = ckpt.prepare(resume)
+    if tag is not None:
+        state = TrainState.from_json(ckpt.load(engine, tag))
+        return state, state.step
+    state = TrainState()
+    state.extra["before"] = evaluate_initial()
+    torch.manual_seed(seed + 17 * D.rank())
+    return state, 0
+
+
+def run_metrics(state: TrainState, resumed_from: int, engine: TrainEngine, params: Params, max_length: int) -> dict:
+    """The bookkeeping metrics every training stage reports."""
+    curve = state.curve
+    return {
+        "train_loss_first": curve[0]["loss"] if curve else None,
+        "train_loss_last": curve[-1]["loss"] if curve else None,
+        "steps": state.step, "resumed_from_step": resumed_from, "tokens": state.tokens,
+        "train_time_s": round(state.train_time_s, 3),
+        "tokens_per_s": state.tokens / state.train_time_s if state.train_time_s else 0.0,
+        "world_size": D.world_size(), "zero_stage": params.compute.zero_stage, "precision": engine.precision,
+        "max_length": max_length,
+    }
+
+
+def finish_stage(root: Path, stage: str, engine: TrainEngine, model_dir: Path, save_fn: Callable, tokenizer,
+                 meta: dict, metrics: dict, curve: tuple[str, tuple[str, ...]], state: TrainState, t_start: float,
+                 log: LogFn | None) -> dict:
+    """Save the final model atomically, then write ``metrics/<stage>.json`` and the curve CSV, and log the
+    numeric metrics; ``metrics`` gains ``wall_time_s``."""
+    import time
+
+    save_final(engine, model_dir, save_fn, tokenizer, meta)
+    metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)
+    write_outputs(root, stage, metrics, curve[0], state.curve, curve[1])
+    if log is not None and D.is_main():
+        log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, state.step)
+    return metrics

@@ -19,9 +19,8 @@ from rlhf_core.algos import pairwise_rm_loss
 from rlhf_core.config import Params
 from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
 from rlhf_core.engine import distributed as D
-from rlhf_core.engine.checkpoint import CheckpointManager
 from rlhf_core.engine.engine import TrainEngine, model_init_context
-from rlhf_core.engine.loop import Hooks, LogFn, TrainState, fit
+from rlhf_core.engine.loop import Hooks, LogFn, fit
 from rlhf_core.engine.sampler import ResumableSampler, StepPlan
 from rlhf_core.models.loading import (
     base_model_source,
@@ -33,14 +32,15 @@ from rlhf_core.models.loading import (
 )
 from rlhf_core.trainers.common import (
     check_max_length,
+    checkpoints_for,
     default_max_length,
-    fingerprint,
+    finish_stage,
     input_hashes,
     read_split,
-    save_final,
+    resume_or_start,
+    run_metrics,
     shard_for_eval,
     stage_meta,
-    write_outputs,
 )
 from rlhf_core.trainers.losses import divergence_rm_loss
 
@@ -122,19 +122,12 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     init_ref = paths.SFT_MODEL if cfg.init_from == "sft" else (
         params.model.name_or_path or paths.BASE_MODEL)
     inputs = input_hashes(root, files, {"init_model": init_ref})
-    ckpt = CheckpointManager(root / paths.CHECKPOINTS / STAGE, fingerprint(params, STAGE, cfg, inputs),
-                             cfg.keep_checkpoints)
+    ckpt = checkpoints_for(root, params, STAGE, cfg, inputs)
     pad_id = tokenizer.pad_token_id
     bs = params.eval.batch_size
-    tag = ckpt.prepare(cfg.resume)
-    if tag is not None:
-        state = TrainState.from_json(ckpt.load(engine, tag))
-        resumed_from = state.step
-    else:
-        state = TrainState()
-        state.extra["before"] = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin)
-        resumed_from = 0
-        torch.manual_seed(params.project.seed + 17 * D.rank())
+    state, resumed_from = resume_or_start(
+        ckpt, engine, cfg.resume, lambda: eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin),
+        params.project.seed)
     if log is not None and D.is_main():
         log({"n_train_pairs": len(data), "total_steps": plan.total_steps, "resumed_from_step": resumed_from,
              "truncated": data.truncated, "threads": threads}, state.step)
@@ -147,22 +140,14 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     before = state.extra["before"]
     metrics = {
         **{f"{k}_before": v for k, v in before.items()}, **after,
-        "train_loss_first": state.curve[0]["loss"] if state.curve else None,
-        "train_loss_last": state.curve[-1]["loss"] if state.curve else None,
         "train_accuracy_last": state.curve[-1].get("accuracy") if state.curve else None,
-        "steps": state.step, "resumed_from_step": resumed_from, "n_train": len(data), "n_eval": len(eval_data),
-        "truncated_train": data.truncated, "truncated_eval": eval_data.truncated, "tokens": state.tokens,
-        "train_time_s": round(state.train_time_s, 3),
-        "tokens_per_s": state.tokens / state.train_time_s if state.train_time_s else 0.0,
-        "world_size": D.world_size(), "zero_stage": compute.zero_stage, "precision": engine.precision,
-        "loss_kind": cfg.loss, "init_from": cfg.init_from, "max_length": max_length,
+        "n_train": len(data), "n_eval": len(eval_data),
+        "truncated_train": data.truncated, "truncated_eval": eval_data.truncated,
+        "loss_kind": cfg.loss, "init_from": cfg.init_from,
+        **run_metrics(state, resumed_from, engine, params, max_length),
     }
     meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,
                       score="value at the last non-pad token")
-    save_final(engine, root / paths.RM_MODEL,
-               lambda m, d: save_value_model(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta)
-    metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)
-    write_outputs(root, STAGE, metrics, "rm_accuracy.csv", state.curve, ("step", "accuracy", "loss"))
-    if log is not None and D.is_main():
-        log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, state.step)
-    return metrics
+    return finish_stage(root, STAGE, engine, root / paths.RM_MODEL,
+                        lambda m, d: save_value_model(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta,
+                        metrics, ("rm_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log)

@@ -25,10 +25,10 @@ from rlhf_core.data.collate import (
     left_pad_prompts,
 )
 from rlhf_core.engine import distributed as D
-from rlhf_core.engine.checkpoint import CheckpointManager
 from rlhf_core.engine.engine import TrainEngine, model_init_context
-from rlhf_core.engine.loop import Hooks, LogFn, TrainState, fit
+from rlhf_core.engine.loop import Hooks, LogFn, fit
 from rlhf_core.engine.sampler import ResumableSampler, StepPlan
+from rlhf_core.generation import GenerationConfig, rollout
 from rlhf_core.models.loading import (
     base_model_source,
     build_causal_lm,
@@ -40,14 +40,15 @@ from rlhf_core.models.loading import (
 from rlhf_core.rewards.demo_task import check_answer
 from rlhf_core.trainers.common import (
     check_max_length,
+    checkpoints_for,
     default_max_length,
-    fingerprint,
+    finish_stage,
     input_hashes,
     read_split,
-    save_final,
+    resume_or_start,
+    run_metrics,
     shard_for_eval,
     stage_meta,
-    write_outputs,
 )
 from rlhf_core.trainers.losses import token_nll
 
@@ -84,7 +85,7 @@ def eval_perplexity(model, data: SFTData, batch_size: int, pad_id: int, device) 
 
 
 @torch.no_grad()
-def generate_answers(model, tokenizer, prompts: list[str], answers: list, cfg: EvalConfig, device,
+def generate_answers(model, tokenizer, prompts: list[str], answers: list, cfg: EvalConfig,
                      synced_gpus: bool = False) -> dict[str, float]:
     """Greedy (or sampled, ``eval.temperature`` > 0) completions, left-padded, stopped at EOS; exact-answer accuracy."""
     prompts, answers = prompts[: cfg.max_prompts], answers[: cfg.max_prompts]
@@ -93,21 +94,18 @@ def generate_answers(model, tokenizer, prompts: list[str], answers: list, cfg: E
     encoded = encode_prompts(tokenizer, prompts)
     idx, weight = shard_for_eval(len(prompts))
     correct, total, eos_share = 0.0, 0.0, 0.0
-    sampling = {"do_sample": True, "temperature": cfg.temperature} if cfg.temperature > 0 else {"do_sample": False}
+    gen = GenerationConfig(cfg.max_new_tokens, cfg.temperature, do_sample=cfg.temperature > 0,
+                           synced_gpus=synced_gpus)
     for i in range(0, len(idx), cfg.batch_size):
         rows = idx[i:i + cfg.batch_size]
-        batch = {k: v.to(device) for k, v in left_pad_prompts(encoded, rows, tokenizer.pad_token_id).items()}
-        out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=synced_gpus,
-                             **sampling)
-        new = out[:, batch["input_ids"].shape[1]:].cpu()
-        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
-        ok = torch.tensor([check_answer(t, answers[int(j)]) for t, j in zip(texts, rows, strict=True)],
+        batch = left_pad_prompts(encoded, rows, tokenizer.pad_token_id)
+        roll = rollout(model, batch["input_ids"], batch["attention_mask"], tokenizer, gen)
+        ok = torch.tensor([check_answer(t, answers[int(j)]) for t, j in zip(roll.texts, rows, strict=True)],
                           dtype=torch.float64)
         w = weight[i:i + cfg.batch_size].double()
         correct += float((ok * w).sum())
         total += float(w.sum())
-        eos_share += float(((new == tokenizer.eos_token_id).any(-1).double() * w).sum())
+        eos_share += float((roll.ended.double() * w).sum())
     model.train(was_training)
     sums = D.all_reduce_sum(torch.tensor([correct, total, eos_share], dtype=torch.float64))
     n = float(sums[1].clamp(min=1))
@@ -121,7 +119,7 @@ def _evaluate(engine: TrainEngine, params: Params, tokenizer, eval_data: SFTData
     with_answer = [i for i, a in enumerate(prompts["answer"]) if a is not None]
     if with_answer:
         gen = generate_answers(model, tokenizer, [prompts["prompt"][i] for i in with_answer],
-                               [prompts["answer"][i] for i in with_answer], params.eval, device, synced)
+                               [prompts["answer"][i] for i in with_answer], params.eval, synced)
         out.update(gen)
     else:
         out.update({"accuracy": None, "eos_rate": None})
@@ -159,17 +157,10 @@ def train_sft(params: Params, root: str | Path = ".", log: LogFn | None = None, 
 
     files = [paths.prepared_file("sft"), paths.prepared_file("sft", True), paths.prepared_file("prompts", True)]
     inputs = input_hashes(root, files, {"init_model": source if params.model.name_or_path else paths.BASE_MODEL})
-    ckpt = CheckpointManager(root / paths.CHECKPOINTS / STAGE, fingerprint(params, STAGE, cfg, inputs),
-                             cfg.keep_checkpoints)
-    tag = ckpt.prepare(cfg.resume)
-    if tag is not None:
-        state = TrainState.from_json(ckpt.load(engine, tag))
-        resumed_from = state.step
-    else:
-        state = TrainState()
-        state.extra["before"] = _evaluate(engine, params, tokenizer, eval_data, prompts)
-        resumed_from = 0
-        torch.manual_seed(params.project.seed + 17 * D.rank())
+    ckpt = checkpoints_for(root, params, STAGE, cfg, inputs)
+    state, resumed_from = resume_or_start(ckpt, engine, cfg.resume,
+                                          lambda: _evaluate(engine, params, tokenizer, eval_data, prompts),
+                                          params.project.seed)
     if log is not None and D.is_main():
         log({"n_train_rows": len(data), "n_examples": data.n_examples, "total_steps": plan.total_steps,
              "resumed_from_step": resumed_from, "truncated": data.truncated, "threads": threads}, state.step)
@@ -186,21 +177,12 @@ def train_sft(params: Params, root: str | Path = ".", log: LogFn | None = None, 
         "eval_loss_before": before["eval_loss"], "eval_loss_after": after["eval_loss"],
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
         "eos_rate_before": before["eos_rate"], "eos_rate_after": after["eos_rate"],
-        "train_loss_first": state.curve[0]["loss"] if state.curve else None,
-        "train_loss_last": state.curve[-1]["loss"] if state.curve else None,
-        "steps": state.step, "resumed_from_step": resumed_from, "n_train_examples": data.n_examples,
-        "n_train_rows": len(data), "n_eval": len(eval_data), "truncated_train": data.truncated,
-        "truncated_eval": eval_data.truncated, "tokens": state.tokens, "train_time_s": round(state.train_time_s, 3),
-        "tokens_per_s": state.tokens / state.train_time_s if state.train_time_s else 0.0,
-        "world_size": D.world_size(), "zero_stage": compute.zero_stage, "precision": engine.precision,
-        "max_length": max_length,
+        "n_train_examples": data.n_examples, "n_train_rows": len(data), "n_eval": len(eval_data),
+        "truncated_train": data.truncated, "truncated_eval": eval_data.truncated,
+        **run_metrics(state, resumed_from, engine, params, max_length),
     }
     meta = stage_meta(STAGE, params, inputs, base_model=source, lora=compute.lora.enabled,
                       merged=compute.lora.merge_on_save if compute.lora.enabled else None)
-    save_final(engine, root / paths.SFT_MODEL,
-               lambda m, d: save_causal_lm(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta)
-    metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)
-    write_outputs(root, STAGE, metrics, "sft_loss.csv", state.curve, ("step", "loss"))
-    if log is not None and D.is_main():
-        log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, state.step)
-    return metrics
+    return finish_stage(root, STAGE, engine, root / paths.SFT_MODEL,
+                        lambda m, d: save_causal_lm(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta,
+                        metrics, ("sft_loss.csv", ("step", "loss")), state, t_start, log)
