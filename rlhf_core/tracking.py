@@ -91,7 +91,8 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
 
 
 def setup(params: Params, root: str | Path = ".") -> str:
-    """Point mlflow at the tracking URI, make sure the experiment exists; returns its id."""
+    """Point mlflow at the tracking URI, make sure the project's experiment exists and make it the active one
+    (runs started later, e.g. by ``rlhf register``, land there); returns its id."""
     import mlflow
 
     root = Path(root)
@@ -103,11 +104,14 @@ def setup(params: Params, root: str | Path = ".") -> str:
     name = experiment_name(params)
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:
-        return exp.experiment_id
-    artifact_location = None
-    if not uri.startswith(("http://", "https://", "databricks")):
-        artifact_location = (root / params.project.workspace / "mlartifacts").resolve().as_uri()
-    return mlflow.create_experiment(name, artifact_location=artifact_location)
+        experiment_id = exp.experiment_id
+    else:
+        artifact_location = None
+        if not uri.startswith(("http://", "https://", "databricks")):
+            artifact_location = (root / params.project.workspace / "mlartifacts").resolve().as_uri()
+        experiment_id = mlflow.create_experiment(name, artifact_location=artifact_location)
+    mlflow.set_experiment(experiment_id=experiment_id)
+    return experiment_id
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:

@@ -124,7 +124,7 @@ def test_mlflow_outage_mid_stage_keeps_the_model_and_register_retries_later(tmp_
         "data": {"demo": {"n_rows": 400}},
         "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                            "num_attention_heads": 2, "num_key_value_heads": 2}},
-        "rm": {"init_from": "base", "epochs": 1, "max_steps": 600, "micro_batch_size": 4, "log_every": 1,
+        "rm": {"init_from": "base", "epochs": 100, "max_steps": 600, "micro_batch_size": 4, "log_every": 1,
                "save_every": 1000},
         "tracking": {"system_metrics": False, "registry_prefix": "outage"},
     })
@@ -158,10 +158,12 @@ def test_mlflow_outage_mid_stage_keeps_the_model_and_register_retries_later(tmp_
         cmd, kw = _cli(project, uri2, "register", "--kind", "reward", capture_output=True)
         up = subprocess.run(cmd, **kw, timeout=600)
         assert up.returncode == 0, up.stderr
-        assert "reward: outage-reward v1 (new)" in up.stdout
+        assert "reward: outage-reward v1 (new)" in up.stderr
         again = subprocess.run(cmd, **kw, timeout=600)
-        assert "reward: outage-reward v1 (already registered)" in again.stdout, again.stdout + again.stderr
-        version = MlflowClient(uri2).get_model_version("outage-reward", "1")
-        assert version.tags["rlhf.content_hash"]
-        runs = MlflowClient(uri2).search_runs([MlflowClient(uri2).get_experiment_by_name("rlhf-demo").experiment_id])
-        assert any(r.info.run_name == "rm" for r in runs), "the rm run logged before the outage is gone"
+        assert "reward: outage-reward v1 (already registered)" in again.stderr, again.stderr
+        client = MlflowClient(uri2)
+        version = client.get_model_version("outage-reward", "1")
+        assert version.tags["rlhf.content_hash"] and version.aliases == ["challenger"]
+        runs = client.search_runs([client.get_experiment_by_name("rlhf-demo").experiment_id])
+        names = {r.info.run_name for r in runs}
+        assert {"rm", "register-reward"} <= names, names  # the run from before the outage and the retry's run
