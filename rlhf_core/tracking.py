@@ -17,7 +17,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from rlhf_core import paths
@@ -88,6 +88,14 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
         raise TrackingUnavailable(
             f"MLflow tracking server {uri} is unreachable ({getattr(err, 'reason', err)}); start it, fix "
             f"MLFLOW_TRACKING_URI, or unset it to use the embedded SQLite store") from None
+
+
+def _answers(uri: str) -> bool:
+    try:
+        check_reachable(uri)
+        return True
+    except TrackingUnavailable:
+        return False
 
 
 def setup(params: Params, root: str | Path = ".") -> str:
@@ -263,5 +271,10 @@ def stage_run(stage: str, params: Params, root: str | Path = ".") -> Iterator[Lo
         guard(_log_outputs, stage, root)
         status = "FINISHED"
     finally:
-        guard.ok = True  # always try to close the run
-        guard(mlflow.end_run, status=status)
+        if guard.ok or _answers(mlflow.get_tracking_uri()):  # (back after an outage:) close the run properly
+            guard.ok = True
+            guard(mlflow.end_run, status=status)
+        else:  # still down (already warned): one quick try, here and at exit, instead of minutes of retries
+            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+            with suppress(Exception):
+                mlflow.end_run(status=status)

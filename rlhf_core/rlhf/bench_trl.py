@@ -25,6 +25,7 @@ from rlhf_core.rlhf.bench import bench_params, build_workspace
 
 def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = None) -> dict:
     import pandas as pd
+    import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -71,9 +72,9 @@ def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = N
                               processing_class=tok, callbacks=[timer])
         timer.marks = [time.perf_counter()]
         trainer.train()
-    gaps = [b - a for a, b in zip(timer.marks, timer.marks[1:])][warmup:]
+    gaps = [b - a for a, b in zip(timer.marks[:-1], timer.marks[1:], strict=True)][warmup:]
     step_s = sum(gaps) / len(gaps)
-    return {"framework": f"trl {__import__('trl').__version__}", "iterations": len(gaps),
+    return {"framework": f"trl {trl.__version__}", "iterations": len(gaps),
             "rows_per_iteration": per_step, "samples_per_s": per_step / step_s, "iteration_s": step_s,
             "threads": torch.get_num_threads(), "step_times_s": gaps}
 
