@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_core.algos import logprobs_from_logits
+from rlhf_core.data import collate
 
 
 def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -77,12 +78,7 @@ class Rollout(PromptResponseBatch):
 def encode_prompts(tokenizer, prompts: list[str], max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids and mask, tokenised exactly as in training (``collate.encode_prompts``: BOS where
     the tokenizer adds one) and left-truncated to the last ``max_len`` tokens when given."""
-    from rlhf_core.data.collate import encode_prompts as encode_ragged
-    from rlhf_core.data.collate import keep_last_tokens
-
-    toks = encode_ragged(tokenizer, prompts)
-    if max_len is not None:
-        toks = keep_last_tokens(toks, max_len)
+    toks = collate.encode_prompts(tokenizer, prompts, max_len)
     ids, valid = toks.pad(pad_value=tokenizer.pad_token_id, side="left")
     return ids, valid.long()
 

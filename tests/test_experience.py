@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from rlhf_core.algos import kl_estimate
+from rlhf_core.generation import GenerationConfig
 from rlhf_core.rlhf.experience import (
     AdvantageConfig,
     Experience,
     ExperienceMaker,
-    GenerationConfig,
     MakerConfig,
     compute_advantages,
     minibatch_plan,

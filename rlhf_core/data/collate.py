@@ -100,12 +100,14 @@ def _adds_eos(tokenizer) -> bool:
     return bool(ids) and ids[-1] == tokenizer.eos_token_id
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> Ragged:
-    """Prompt token ids with the tokenizer's special tokens (BOS where it adds one, never a trailing EOS)."""
+def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int | None = None) -> Ragged:
+    """Prompt token ids with the tokenizer's special tokens (BOS where it adds one, never a trailing EOS),
+    cut to their last ``max_len`` tokens when given (``keep_last_tokens``)."""
     ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
     if _adds_eos(tokenizer):
         ids = [r[:-1] if r and r[-1] == tokenizer.eos_token_id else r for r in ids]
-    return Ragged.from_lists(ids)
+    rows = Ragged.from_lists(ids)
+    return rows if max_len is None else keep_last_tokens(rows, max_len)
 
 
 def encode_responses(tokenizer, responses: Sequence[str]) -> Ragged:

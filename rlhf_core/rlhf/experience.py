@@ -56,11 +56,9 @@ from rlhf_core.generation import (
 __all__ = [
     "Experience",
     "ExperienceMaker",
-    "GenerationConfig",
     "compute_advantages",
     "empty_response",
     "minibatch_plan",
-    "rollout",
     "sequence_logprobs",
     "sequence_values",
 ]
@@ -96,7 +94,7 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
     return out.values[:, -response_len - 1:-1]
 
 
-# --------------------------------------------------------------------------- generation
+# --------------------------------------------------------------------------- responses
 def empty_response(responses: torch.Tensor, action_mask: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """Rows whose response has no token before its EOS (the only action is the EOS itself)."""
     return (action_mask.sum(dim=1) <= 1) & (responses[:, 0] == eos_token_id)

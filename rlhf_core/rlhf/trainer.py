@@ -28,22 +28,21 @@ import torch
 from rlhf_core import paths
 from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import Params
-from rlhf_core.data.collate import Ragged, encode_prompts, keep_last_tokens, left_pad_prompts
+from rlhf_core.data.collate import Ragged, encode_prompts, left_pad_prompts
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import NonFiniteLossError, TrainingInputError
 from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.engine.sampler import ResumableSampler, StepPlan
+from rlhf_core.generation import GenerationConfig, rollout
 from rlhf_core.rlhf.checkpoint import MultiEngineCheckpoint, checkpoint_dir
 from rlhf_core.rlhf.experience import (
     AdvantageConfig,
     Experience,
     ExperienceMaker,
-    GenerationConfig,
     MakerConfig,
     compute_advantages,
     minibatch_plan,
     n_minibatches,
-    rollout,
     sampled_kl,
     zero_row,
 )
@@ -246,7 +245,7 @@ class RLHFTrainer:
 
     def _encode(self, prompts: list[str]) -> Ragged:
         # prepare already cut the prompts; the BOS a tokenizer adds may take them one over
-        return keep_last_tokens(encode_prompts(self.tokenizer, prompts), self.params.data.max_prompt_len)
+        return encode_prompts(self.tokenizer, prompts, self.params.data.max_prompt_len)
 
     def _setup_ptx(self) -> None:
         from rlhf_core.data.collate import build_sft_data, encode_sequences
