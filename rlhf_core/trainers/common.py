@@ -19,6 +19,7 @@ from rlhf_core.engine import distributed as D
 from rlhf_core.engine.checkpoint import CheckpointManager, commit_dir, make_temp_dir
 from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.loop import LogFn, TrainState
+from rlhf_core.engine.sampler import StepPlan
 from rlhf_core.meta import build_meta, dir_sha256, file_sha256, write_json_atomic, write_meta
 
 # Keys of a stage section that do not change what is trained (excluded from the resume fingerprint).
@@ -131,6 +132,25 @@ def write_outputs(root: Path, stage: str, metrics: dict, curve_name: str, curve:
 
 def stage_meta(stage: str, params: Params, inputs: dict[str, str], **extra) -> dict:
     return build_meta(stage, params.section_hash("project", "data", "model", "compute", stage), inputs, **extra)
+
+
+def build_engine(params: Params, section: OptimConfig, key: str, n_rows: int, build_model: Callable, init_source: str,
+                 tokenizer, max_length: int) -> tuple[StepPlan, TrainEngine]:
+    """The step plan over ``n_rows`` and a DeepSpeed engine around ``build_model()`` (built under ZeRO-3's init
+    context when used), after checking that the tokenizer fits the model's vocab and ``max_length`` (the
+    ``key`` named in the error) fits its positions."""
+    from rlhf_core.engine.engine import model_init_context
+    from rlhf_core.models.loading import check_vocab_fits, prepare_for_training
+
+    compute = params.compute
+    plan = StepPlan(n_rows, section.micro_batch_size, section.grad_accum, D.world_size(), section.epochs,
+                    section.max_steps)
+    with model_init_context(compute, section):
+        model = build_model()
+    check_vocab_fits(tokenizer, model, init_source)
+    check_max_length(model, max_length, key)
+    model = prepare_for_training(model, compute)
+    return plan, TrainEngine(model, compute, section, plan.total_steps)
 
 
 def checkpoints_for(root: Path, params: Params, stage: str, section: OptimConfig,

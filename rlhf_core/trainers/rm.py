@@ -19,19 +19,16 @@ from rlhf_core.algos import pairwise_rm_loss
 from rlhf_core.config import Params
 from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
 from rlhf_core.engine import distributed as D
-from rlhf_core.engine.engine import TrainEngine, model_init_context
 from rlhf_core.engine.loop import Hooks, LogFn, fit
-from rlhf_core.engine.sampler import ResumableSampler, StepPlan
+from rlhf_core.engine.sampler import ResumableSampler
 from rlhf_core.models.loading import (
     base_model_source,
     build_value_model,
-    check_vocab_fits,
     load_training_tokenizer,
-    prepare_for_training,
     save_value_model,
 )
 from rlhf_core.trainers.common import (
-    check_max_length,
+    build_engine,
     checkpoints_for,
     default_max_length,
     finish_stage,
@@ -109,14 +106,10 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     data = encode_pairs(tokenizer, train, max_length, str(paths.prepared_file("pairs")))
     eval_data = encode_pairs(tokenizer, evals, max_length, str(paths.prepared_file("pairs", True)))
 
-    plan = StepPlan(len(data), cfg.micro_batch_size, cfg.grad_accum, D.world_size(), cfg.epochs, cfg.max_steps)
-    with model_init_context(compute, cfg):
-        model = build_value_model(params, root, cfg.init_from)
     init_source = str(paths.SFT_MODEL) if cfg.init_from == "sft" else base_model_source(params, root)
-    check_vocab_fits(tokenizer, model, init_source)
-    check_max_length(model, max_length, "rm.max_length")
-    model = prepare_for_training(model, compute)
-    engine = TrainEngine(model, compute, cfg, plan.total_steps)
+    plan, engine = build_engine(params, cfg, "rm.max_length", len(data),
+                                lambda: build_value_model(params, root, cfg.init_from), init_source, tokenizer,
+                                max_length)
 
     files = [paths.prepared_file("pairs"), paths.prepared_file("pairs", True)]
     init_ref = paths.SFT_MODEL if cfg.init_from == "sft" else (

@@ -25,21 +25,19 @@ from rlhf_core.data.collate import (
     left_pad_prompts,
 )
 from rlhf_core.engine import distributed as D
-from rlhf_core.engine.engine import TrainEngine, model_init_context
+from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.loop import Hooks, LogFn, fit
-from rlhf_core.engine.sampler import ResumableSampler, StepPlan
+from rlhf_core.engine.sampler import ResumableSampler
 from rlhf_core.generation import GenerationConfig, rollout
 from rlhf_core.models.loading import (
     base_model_source,
     build_causal_lm,
-    check_vocab_fits,
     load_training_tokenizer,
-    prepare_for_training,
     save_causal_lm,
 )
 from rlhf_core.rewards.demo_task import check_answer
 from rlhf_core.trainers.common import (
-    check_max_length,
+    build_engine,
     checkpoints_for,
     default_max_length,
     finish_stage,
@@ -146,14 +144,9 @@ def train_sft(params: Params, root: str | Path = ".", log: LogFn | None = None, 
                                  str(paths.prepared_file("sft", True)), "sft.max_length", evals["id"])
     eval_data = build_sft_data(eval_seqs, loss_on_prompt=False)
 
-    plan = StepPlan(len(data), cfg.micro_batch_size, cfg.grad_accum, D.world_size(), cfg.epochs, cfg.max_steps)
-    with model_init_context(compute, cfg):
-        model = build_causal_lm(params, root)
     source = base_model_source(params, root)
-    check_vocab_fits(tokenizer, model, source)
-    check_max_length(model, max_length, "sft.max_length")
-    model = prepare_for_training(model, compute)
-    engine = TrainEngine(model, compute, cfg, plan.total_steps)
+    plan, engine = build_engine(params, cfg, "sft.max_length", len(data), lambda: build_causal_lm(params, root), source,
+                                tokenizer, max_length)
 
     files = [paths.prepared_file("sft"), paths.prepared_file("sft", True), paths.prepared_file("prompts", True)]
     inputs = input_hashes(root, files, {"init_model": source if params.model.name_or_path else paths.BASE_MODEL})
