@@ -9,22 +9,16 @@ import shutil
 import pytest
 import torch
 
-from rlhf_core.config import apply_overrides, validate
+from tests.tiny import TINY_DEMO
+from tests.tiny import tiny_params as tiny
 
-# Same tiny demo as tests/test_sft.py (operands 0-9, no de-duplication, a 2-layer 64-wide Llama).
-TINY = [
-    "data.demo.n_rows=3000", "data.demo.max_operand=9", "data.dedupe=false", "data.max_prompt_len=16",
-    "data.max_response_len=4", "compute.num_threads=1",
-    "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_hidden_layers=2",
-    "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2", "model.tiny.max_position_embeddings=32",
-    "sft.epochs=20", "sft.micro_batch_size=32", "sft.lr=0.003", "sft.warmup_steps=3", "sft.log_every=5",
-    "rm.micro_batch_size=32", "rm.lr=0.001", "rm.warmup_steps=5", "rm.log_every=10",
-    "eval.max_prompts=16", "eval.batch_size=48", "eval.max_new_tokens=4",
-]
+# The SFT tests' tiny demo, with SFT trained longer (the RM starts from it) and the RM's settings.
+TINY = [*TINY_DEMO, "sft.epochs=20", "rm.micro_batch_size=32", "rm.lr=0.001", "rm.warmup_steps=5",
+        "rm.log_every=10", "eval.max_prompts=16"]
 
 
 def tiny_params(*overrides: str):
-    return validate(apply_overrides({}, [*TINY, *overrides]), origin="<test>")
+    return tiny(TINY, *overrides)
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import apply_overrides, validate
+from tests.tiny import TINY_DEMO
+from tests.tiny import tiny_params as tiny
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A small, quick demo: operands 0-9, no de-duplication (so correct demonstrations are the majority).
-TINY = [
-    "data.demo.n_rows=3000", "data.demo.max_operand=9", "data.dedupe=false", "data.max_prompt_len=16",
-    "data.max_response_len=4", "compute.num_threads=1",
-    "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_hidden_layers=2",
-    "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2", "model.tiny.max_position_embeddings=32",
-    "sft.epochs=4", "sft.micro_batch_size=32", "sft.lr=0.003", "sft.warmup_steps=3", "sft.log_every=5",
-    "eval.max_prompts=48", "eval.batch_size=48", "eval.max_new_tokens=4",
-]
+TINY = [*TINY_DEMO, "sft.epochs=4", "eval.max_prompts=48"]
 
 
 def tiny_params(*overrides: str):
-    return validate(apply_overrides({}, [*TINY, *overrides]), origin="<test>")
+    return tiny(TINY, *overrides)
 
 
 @pytest.fixture(scope="module")
