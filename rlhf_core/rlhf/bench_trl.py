@@ -6,7 +6,7 @@ Same data, the same random-init tiny Llama (``build_workspace``), the same rewar
 same work per optimizer step: 16 prompts x G=8 = 128 completions of exactly 32 new tokens
 (``min_new_tokens=32``), temperature 1, top-k off, beta 0.04 (a reference pass), micro-batch 32 x 4
 accumulation, ``num_iterations=1``, fp32 on the CPU. One warm-up step, then ``iterations`` timed ones;
-a step's time is the gap between TRL's ``on_step_end`` callbacks.
+a step's time is the gap between TRL's ``on_step_end`` callbacks (the first from ``on_train_begin``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = N
     per_step = cfg.prompts_per_step * group
 
     class StepTimes(TrainerCallback):
-        def __init__(self):
+        marks: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
             self.marks = [time.perf_counter()]
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -70,7 +72,6 @@ def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = N
         timer = StepTimes()
         trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=data,
                               processing_class=tok, callbacks=[timer])
-        timer.marks = [time.perf_counter()]
         trainer.train()
     gaps = [b - a for a, b in zip(timer.marks[:-1], timer.marks[1:], strict=True)][warmup:]
     step_s = sum(gaps) / len(gaps)
