@@ -9,6 +9,8 @@ work); logits at position t score token t+1.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -93,17 +95,42 @@ class GenerationConfig:
     min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: a fixed workload)
 
 
+@contextlib.contextmanager
+def clean_generation_config(model, tokenizer) -> Iterator[None]:
+    """Sample from exactly the distribution the log-probs are computed from.
+
+    ``generate`` fills every setting it is not given from the model's own ``generation_config`` (a
+    checkpoint's ``generation_config.json``: ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_p``,
+    ``bad_words_ids``, ...), and those processors reshape the sampling distribution while
+    ``logits / temperature`` is what the trainer scores: ratios and KL would be off. For the call, every
+    module's ``generation_config`` is a fresh one holding only the special token ids; restored after.
+    """
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    clean = HFGenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=tokenizer.bos_token_id)
+    saved = [(m, m.generation_config) for m in model.modules() if hasattr(m, "generation_config")]
+    try:
+        for m, _ in saved:
+            m.generation_config = clean
+        yield
+    finally:
+        for m, cfg in saved:
+            m.generation_config = cfg
+
+
 def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenizer, gen: GenerationConfig) -> Rollout:
     """Sample one response per (left-padded) prompt row with the KV cache; masks from the first EOS.
 
     Prompts come pre-tokenised (once per run, with the same special tokens as SFT training); greedy when
-    ``do_sample`` is false. Generation runs under ``torch.inference_mode()``; the returned tensors are
-    ordinary (cloned) tensors, usable in training passes.
+    ``do_sample`` is false. Only the settings of ``gen`` shape the distribution (``clean_generation_config``:
+    the checkpoint's ``generation_config.json`` is ignored here). Generation runs under
+    ``torch.inference_mode()``; the returned tensors are ordinary (cloned) tensors, usable in training passes.
     """
     device = next(model.parameters()).device
     kwargs = ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
               if gen.do_sample else {"do_sample": False})
-    with torch.inference_mode():
+    with torch.inference_mode(), clean_generation_config(model, tokenizer):
         out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
                              max_new_tokens=gen.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=gen.synced_gpus,

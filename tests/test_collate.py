@@ -117,3 +117,56 @@ def test_prompt_without_room_is_a_clear_error():
     with pytest.raises(PromptTooLongError, match=r"data/x.parquet: 1 prompt\(s\) have no room.*row 1 \(id b\) has 9 "
                                                  r"prompt tokens but sft.max_length is 8"):
         check_prompt_room(torch.tensor([3, 9]), 8, "data/x.parquet", "sft.max_length", ["a", "b"])
+
+
+def _bos_tokenizer():
+    """The demo tokenizer with a post-processor that adds a BOS, as Llama's does."""
+    from tokenizers import processors
+
+    from rlhf_core.data.tokenizer import train_demo_tokenizer
+
+    tok = train_demo_tokenizer(["Human: What is 1 + 2?\n\nAssistant: 3"] * 50, 64)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                  special_tokens=[("<s>", tok.bos_token_id)])
+    return tok
+
+
+def test_rl_prompts_keep_one_bos_like_sft_rows():
+    """A prompt cut to exactly max_len keeps its BOS (was: cut away); a chat-templated prompt that already
+    carries a BOS does not get a second; both equal the SFT encoding of the same prompt."""
+    from rlhf_core.data.collate import encode_prompts
+
+    tok = _bos_tokenizer()
+    bos = tok.bos_token_id
+    body = tok("Human: What is 1 + 2?", add_special_tokens=False)["input_ids"]
+    plain = encode_prompts(tok, ["Human: What is 1 + 2?"])
+    assert plain.flat.tolist() == [bos, *body]
+    cut = encode_prompts(tok, ["Human: What is 1 + 2?"], max_len=len(body))  # exactly max_len tokens
+    assert cut.flat.tolist() == [bos, *body]
+    shorter = encode_prompts(tok, ["Human: What is 1 + 2?"], max_len=3)
+    assert shorter.flat.tolist() == [bos, *body[-3:]]
+    templated = encode_prompts(tok, ["<s>Human: What is 1 + 2?", "Human: What is 1 + 2?"], max_len=len(body))
+    assert templated.lengths.tolist() == [len(body) + 1] * 2 and templated.flat.tolist() == [bos, *body] * 2
+
+
+def test_keep_last_tokens_keeps_the_first_token_vectorised():
+    rows = Ragged.from_lists([[1, 5, 6, 7, 8], [5, 6, 7, 8, 9], [1, 5], []])
+    out = keep_last_tokens(rows, 2, keep_first=1)
+    assert [out.flat[a:b].tolist() for a, b in zip(out.offsets[:-1], out.offsets[1:], strict=True)] == [
+        [1, 7, 8], [8, 9], [1, 5], []]
+
+
+def test_rm_rows_cut_by_max_length_still_end_with_eos():
+    """The RM's score is read at the EOS: a response cut by rm.max_length ends with EOS (OpenRLHF forces it);
+    SFT rows are cut plainly (the response goes on)."""
+    from rlhf_core.data.collate import encode_sequences
+
+    tok = _bos_tokenizer()
+    prompts, responses = ["Human: What is 1 + 2?"] * 2, [" 3", " 3 3 3 3 3 3 3 3 3 3"]
+    p_len = len(tok("Human: What is 1 + 2?")["input_ids"])
+    rm = encode_sequences(tok, prompts, responses, p_len + 4, keep_eos=True)
+    sft = encode_sequences(tok, prompts, responses, p_len + 4)
+    ends = rm.tokens.flat[rm.tokens.offsets[1:] - 1].tolist()
+    assert ends == [tok.eos_token_id, tok.eos_token_id] and rm.truncated == sft.truncated == 1
+    assert sft.tokens.flat[sft.tokens.offsets[2] - 1] != tok.eos_token_id
+    assert rm.tokens.lengths.tolist() == sft.tokens.lengths.tolist()

@@ -99,5 +99,69 @@ def test_generation_prompts_are_tokenised_like_sft_training_rows():
     assert mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
     trained = encode_sequences(tok, ["a b c"], ["a"], 16, "sft.parquet", "sft.max_length")
     assert trained.tokens.flat[: int(trained.prompt_lens[0])].tolist() == ids[0].tolist()
-    ids, mask = encode_prompts(tok, ["a b c", "b"], max_len=2)
-    assert ids.tolist() == [[5, 6], [1, 5]]
+    ids, mask = encode_prompts(tok, ["a b c", "b"], max_len=2)  # the BOS stays in front of the last 2 tokens
+    assert ids.tolist() == [[1, 5, 6], [0, 1, 5]]
+
+
+def _tiny_lm(vocab: int = 32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight[EOS] = 0.0  # logit 0: never the argmax, so greedy runs to max_new_tokens
+    return model
+
+
+class _Tok:
+    bos_token_id, eos_token_id, pad_token_id = 1, EOS, PAD
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, row.tolist())) for row in ids]
+
+
+def test_rollout_ignores_the_checkpoints_generation_config():
+    """A checkpoint's generation_config.json (here repetition_penalty 1.5, no_repeat_ngram_size 2) must not
+    shape the rollout: greedy tokens are the argmax of the raw logits that the trainer scores."""
+    from rlhf_core.generation import GenerationConfig, rollout
+
+    model = _tiny_lm()
+    model.generation_config.repetition_penalty = 1.5
+    model.generation_config.no_repeat_ngram_size = 2
+    prompt = torch.tensor([[1, 7, 8, 9, 7, 8]])
+    roll = rollout(model, prompt, torch.ones_like(prompt), _Tok(), GenerationConfig(12, do_sample=False))
+    seq = prompt.clone()
+    with torch.no_grad():
+        for _ in range(roll.responses.shape[1]):
+            nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+            if int(nxt) == EOS:
+                break
+    expected = seq[0, prompt.shape[1]:].tolist()
+    assert roll.responses[0, :len(expected)].tolist() == expected
+    assert model.generation_config.repetition_penalty == 1.5  # restored for saving and serving
+
+
+def test_sampled_rollout_log_probs_match_the_sampling_distribution():
+    """Sampling with a repetition penalty in the checkpoint's config: the tokens' log-probs under the raw
+    policy (what the trainer computes) equal the scores generate sampled from."""
+    from rlhf_core.generation import clean_generation_config
+
+    model = _tiny_lm()
+    model.generation_config.repetition_penalty = 1.5
+    prompt = torch.tensor([[1, 7, 8, 9, 7, 8]] * 4)
+    torch.manual_seed(3)
+    with torch.no_grad(), clean_generation_config(model, _Tok()):
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                             do_sample=True, top_k=0, temperature=1.0, output_scores=True,
+                             return_dict_in_generate=True, eos_token_id=EOS, pad_token_id=PAD)
+    sampled = torch.log_softmax(torch.stack(out.scores, dim=1), dim=-1)
+    R = sampled.shape[1]
+    seqs = out.sequences
+    scored = response_logprobs(model, seqs, torch.ones_like(seqs), R)
+    picked = sampled.gather(-1, seqs[:, -R:, None]).squeeze(-1)
+    mask = response_mask(seqs[:, -R:], EOS).bool()
+    assert torch.allclose(picked[mask], scored[mask], atol=1e-4)

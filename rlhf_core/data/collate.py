@@ -100,14 +100,24 @@ def _adds_eos(tokenizer) -> bool:
     return bool(ids) and ids[-1] == tokenizer.eos_token_id
 
 
+def _adds_bos(tokenizer) -> bool:
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int | None = None) -> Ragged:
-    """Prompt token ids with the tokenizer's special tokens (BOS where it adds one, never a trailing EOS),
-    cut to their last ``max_len`` tokens when given (``keep_last_tokens``)."""
+    """Prompt token ids with the tokenizer's special tokens: exactly one BOS where it adds one (a chat template
+    that already wrote its BOS into the text does not get a second), never a trailing EOS. With ``max_len``
+    the prompt text is cut to its last ``max_len`` tokens and the BOS kept in front (``keep_last_tokens``), so
+    a prompt that prepare cut to ``max_len`` tokens is encoded exactly as in SFT training."""
     ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
     if _adds_eos(tokenizer):
         ids = [r[:-1] if r and r[-1] == tokenizer.eos_token_id else r for r in ids]
+    bos = tokenizer.bos_token_id if _adds_bos(tokenizer) else None
+    if bos is not None:
+        ids = [r[1:] if len(r) > 1 and r[0] == r[1] == bos else r for r in ids]
     rows = Ragged.from_lists(ids)
-    return rows if max_len is None else keep_last_tokens(rows, max_len)
+    return rows if max_len is None else keep_last_tokens(rows, max_len, keep_first=bos)
 
 
 def encode_responses(tokenizer, responses: Sequence[str]) -> Ragged:
@@ -151,14 +161,21 @@ class TokenizedSequences:
 
 def encode_sequences(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int,
                      source: str = "<data>", key: str = "max_length",
-                     ids: Sequence[str] | None = None) -> TokenizedSequences:
-    """Tokenise prompt/response pairs into training rows; responses that overflow ``max_length`` are cut."""
+                     ids: Sequence[str] | None = None, keep_eos: bool = False) -> TokenizedSequences:
+    """Tokenise prompt/response pairs into training rows; responses that overflow ``max_length`` are cut.
+
+    ``keep_eos`` (reward models, whose score is read at the EOS): a cut row ends with EOS in place of its last
+    kept token, so a truncated response is scored where every other one is (OpenRLHF forces the EOS too).
+    """
     p = encode_prompts(tokenizer, prompts)
     r = encode_responses(tokenizer, responses)
     check_prompt_room(p.lengths, max_length, source, key, ids)
-    truncated = int((p.lengths + r.lengths > max_length).sum())
+    cut = p.lengths + r.lengths > max_length
     tokens, from_response = _concat_rows(p, r, max_length)
-    return TokenizedSequences(tokens, from_response, p.lengths, truncated)
+    if keep_eos and cut.any():
+        last = tokens.offsets[1:][cut] - 1
+        tokens.flat[last] = tokenizer.eos_token_id
+    return TokenizedSequences(tokens, from_response, p.lengths, int(cut.sum()))
 
 
 # --------------------------------------------------------------------------- SFT
@@ -242,13 +259,25 @@ def collate_pairs(data: PairData, idx: torch.Tensor, pad_id: int) -> dict[str, t
     return {"input_ids": torch.cat([c, r]), "attention_mask": torch.cat([cm, rm]).long()}
 
 
-def keep_last_tokens(rows: Ragged, limit: int) -> Ragged:
-    """Each row cut to its last ``limit`` tokens (left truncation, as ``data.truncation: left``)."""
+def keep_last_tokens(rows: Ragged, limit: int, keep_first: int | None = None) -> Ragged:
+    """Each row cut to its last ``limit`` tokens (left truncation, as ``data.truncation: left``).
+
+    ``keep_first`` (a BOS id): a row that starts with it keeps it in front of its last ``limit`` other tokens.
+    """
     if not len(rows) or int(rows.lengths.max()) <= limit:
         return rows
     ids, valid = rows.pad(side="left")
-    ids, valid = ids[:, -limit:], valid[:, -limit:]
-    return Ragged.from_lengths(ids[valid], valid.sum(dim=1))
+    if keep_first is None:
+        ids, valid = ids[:, -limit:], valid[:, -limit:]
+        return Ragged.from_lengths(ids[valid], valid.sum(dim=1))
+    lengths = rows.lengths
+    first = ids.gather(1, (ids.shape[1] - lengths).clamp(max=ids.shape[1] - 1)[:, None]).squeeze(1)
+    has = (lengths > 0) & (first == keep_first)
+    body = (lengths - has.long()).clamp(max=limit)
+    keep = torch.arange(ids.shape[1])[None, :] >= ids.shape[1] - body[:, None]
+    ids = torch.cat([torch.full_like(ids[:, :1], keep_first), ids], dim=1)
+    keep = torch.cat([has[:, None], keep], dim=1)
+    return Ragged.from_lengths(ids[keep], body + has.long())
 
 
 def left_pad_prompts(prompts: Ragged, idx: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:

@@ -62,9 +62,11 @@ class RewardScorer:
         eos = Ragged.from_lengths(torch.full((len(toks),), self.tokenizer.eos_token_id, dtype=torch.long),
                                   torch.ones(len(toks), dtype=torch.long))
         rows, _ = _concat_rows(toks, eos, int(self.max_length))
+        rows.flat[rows.offsets[1:] - 1] = self.tokenizer.eos_token_id  # a cut text is scored at an EOS too
         return self._score_ragged(rows)
 
     def score_responses(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
         """Scores of ``prompt + response + EOS`` tokenised exactly as the RM was trained."""
-        seqs = encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>")
+        seqs = encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>",
+                                keep_eos=True)
         return self._score_ragged(seqs.tokens)

@@ -47,9 +47,9 @@ PAIR_COLUMNS = ("id", "prompt", "chosen", "rejected")
 
 def encode_pairs(tokenizer, rows: dict, max_length: int, source: str) -> PairData:
     chosen = encode_sequences(tokenizer, rows["prompt"], rows["chosen"], max_length, source, "rm.max_length",
-                              rows["id"])
+                              rows["id"], keep_eos=True)
     rejected = encode_sequences(tokenizer, rows["prompt"], rows["rejected"], max_length, source, "rm.max_length",
-                                rows["id"])
+                                rows["id"], keep_eos=True)
     return PairData(chosen, rejected)
 
 
