@@ -87,7 +87,8 @@ class DataConfig(_Section):
     data_split: list[float] = Field(default_factory=lambda: [2.0, 4.0, 4.0], min_length=3, max_length=3,
                                     description="DeepSpeed-Chat shares for SFT / RM / RL (normalised).")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held-out share of every phase.")
-    max_prompt_len: int = Field(48, ge=1, description="Prompt token limit.")
+    max_prompt_len: int = Field(48, ge=1, description="Prompt token limit (the text's tokens; a BOS that the "
+                                                      "tokenizer adds comes on top).")
     max_response_len: int = Field(16, ge=1, description="Response token limit (longer rows are dropped).")
     truncation: Literal["left", "drop"] = Field(
         "left", description="Over-long prompts: keep their last tokens (`left`) or drop the row.")
@@ -286,6 +287,12 @@ class RLHFConfig(OptimConfig):
         if self.algorithm == "ppo" and self.ppo.advantage_estimator == "rloo" and self.ppo.samples_per_prompt < 2:
             raise ValueError("ppo.advantage_estimator: rloo needs ppo.samples_per_prompt >= 2 "
                              f"(got {self.ppo.samples_per_prompt})")
+        k1 = ("k1 = logp - ref_logp has zero expected gradient as a loss term (E_pi[grad log pi] = 0), so it does "
+              "not pull toward the reference; use k2 or k3")
+        if self.algorithm == "grpo" and self.grpo.beta > 0 and self.grpo.kl_estimator == "k1":
+            raise ValueError(f"grpo.kl_estimator: k1 with grpo.beta > 0 puts KL in the loss, but {k1}")
+        if self.algorithm == "ppo" and self.ppo.kl_in == "loss" and self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ValueError(f"kl_estimator: k1 with ppo.kl_in: loss, but {k1} (k1 is right in the reward)")
         if self.algorithm == "grpo":
             rows = self.micro_batch_size * self.grad_accum
             if rows % self.grpo.group_size:
@@ -301,10 +308,25 @@ class EvalConfig(_Section):
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
     batch_size: int = Field(64, ge=1)
+    judge: Literal["auto", "checker", "model", "none"] = Field(
+        "auto", description="What scores answers independently of the training reward (the proxy): `checker` "
+                            "(exact answers; needs an answer per eval prompt), `model` (the reward model at "
+                            "`eval.judge_model`, trained on pairs the proxy never saw), `auto` (checker when "
+                            "answers exist, else the judge model when set, else none), `none`.")
+    judge_model: str | None = Field(
+        None, description="Judge reward model directory (relative to the workspace), for `judge: model|auto`.")
+    table_every: int = Field(
+        20, ge=0, description="RLHF: log a table of sampled prompts, responses, proxy reward and judge score "
+                              "to MLflow every N iterations (and the last); 0: off.")
 
 
 class GatesConfig(_Section):
-    min_reward_gain: float = Field(0.0, description="Candidate mean reward minus reference mean reward.")
+    min_reward_gain: float = Field(0.0, description="Candidate mean proxy reward (`rlhf.reward_fns`, what RL "
+                                                    "optimised) minus the reference's.")
+    min_judge_gain: float = Field(
+        0.01, description="Candidate judge score (`eval.judge`: checker accuracy or judge-RM reward) minus the "
+                          "reference's. Below it the gate fails whatever the proxy says: reward hacking is a proxy "
+                          "that rises while the judge does not.")
     min_win_rate_vs_champion: float = Field(0.5, ge=0.0, le=1.0)
     max_kl: float = Field(5.0, gt=0.0)
     min_accuracy: float = Field(0.0, ge=0.0, le=1.0)

@@ -198,6 +198,11 @@ def test_bad_input_errors_name_the_key_or_path(ws):
         params("rlhf.algorithm=grpo", "rlhf.grpo.group_size=3")
     with pytest.raises(ConfigError, match=r"rloo needs ppo.samples_per_prompt >= 2"):
         params("rlhf.ppo.advantage_estimator=rloo", "rlhf.ppo.samples_per_prompt=1")
+    with pytest.raises(ConfigError, match=r"grpo.kl_estimator: k1 .* zero expected gradient"):
+        params("rlhf.algorithm=grpo", "rlhf.grpo.kl_estimator=k1")
+    with pytest.raises(ConfigError, match=r"kl_estimator: k1 with ppo.kl_in: loss"):
+        params("rlhf.ppo.kl_in=loss")
+    params("rlhf.algorithm=grpo", "rlhf.grpo.kl_estimator=k1", "rlhf.grpo.beta=0")  # no KL term: nothing to refuse
     shutil.move(ws / "models/rm", ws / "rm_aside")
     with pytest.raises(TrainingInputError, match=r"models/rm: no reward model, but PPO .* needs a critic"):
         _trainer(ws)
@@ -217,8 +222,11 @@ def test_rm_with_another_tokenizer_is_retokenised_or_refused(ws):
         (ws / "models/rm" / f).unlink(missing_ok=True)
     other.save_pretrained(ws / "models/rm")
     with pytest.raises(ValueError, match=r"different tokenizer than the actor"):
-        _trainer(ws, "rlhf.reward_fns={rm: 1.0}", "rlhf.rm_tokenizer_mismatch=error")
-    tr = _trainer(ws, "rlhf.reward_fns={rm: 1.0, exact_answer: 1.0}", "rlhf.num_steps=1")
+        _trainer(ws, "rlhf.reward_fns={rm: 1.0}", "rlhf.rm_tokenizer_mismatch=error", "rlhf.algorithm=grpo")
+    with pytest.raises(TrainingInputError, match=r"models/rm: its tokenizer differs from the actor's .* critic"):
+        _trainer(ws, "rlhf.reward_fns={rm: 1.0}")  # PPO/GAE: the critic would read the actor's token ids
+    tr = _trainer(ws, "rlhf.reward_fns={rm: 1.0, exact_answer: 1.0}", "rlhf.num_steps=1",
+                  "rlhf.ppo.advantage_estimator=reinforce_pp")
     assert tr.step()["score_std"] > 0  # RM scores on re-tokenised text vary by response
 
 
@@ -246,10 +254,33 @@ def test_lora_reference_is_the_actor_with_adapters_disabled(ws):
     assert (saved / "model.safetensors").exists() and not (saved / "adapter").exists()  # merged on save
 
 
+def test_dropout_is_off_so_the_first_ratio_is_one(ws):
+    """LoRA dropout 0.5 and attention dropout 0.3 in the checkpoint: the policy's training-mode log-probs equal
+    its rollout (eval-mode) log-probs, so the first PPO ratio is exactly 1 (was 0.74-1.17)."""
+    from transformers import AutoConfig
+
+    from rlhf_core.rlhf.experience import sequence_logprobs
+
+    cfg = AutoConfig.from_pretrained(ws / "models/sft")
+    cfg.attention_dropout = 0.3
+    cfg.save_pretrained(ws / "models/sft")
+    tr = _trainer(ws, "compute.lora.enabled=true", "compute.lora.r=4", "compute.lora.dropout=0.5",
+                  "rlhf.algorithm=grpo")
+    model = tr.actor.module
+    seq, att = torch.tensor([[5, 6, 7, 8, 9]] * 4), torch.ones(4, 5, dtype=torch.long)
+    with torch.no_grad():
+        model.train()
+        trained = sequence_logprobs(model, seq, att, 3)
+        model.eval()
+        rolled = sequence_logprobs(model, seq, att, 3)
+    assert torch.equal(trained, rolled)
+    assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
 @pytest.mark.parametrize("options", [
-    ("rlhf.ppo.kl_in=loss", "rlhf.ppo.dual_clip=3.0", "rlhf.entropy_coef=0.01", "rlhf.ptx_coef=0.5",
-     "rlhf.ppo_epochs=2", "rlhf.micro_batch_size=2", "rlhf.generation_batch_size=2", "rlhf.no_eos_penalty=-1.0",
-     "rlhf.ppo.value_clip_eps=null"),
+    ("rlhf.ppo.kl_in=loss", "rlhf.kl_estimator=k2", "rlhf.ppo.dual_clip=3.0", "rlhf.entropy_coef=0.01",
+     "rlhf.ptx_coef=0.5", "rlhf.ppo_epochs=2", "rlhf.micro_batch_size=2", "rlhf.generation_batch_size=2",
+     "rlhf.no_eos_penalty=-1.0", "rlhf.ppo.value_clip_eps=null"),
     ("rlhf.ppo.advantage_estimator=rloo", "rlhf.ppo.samples_per_prompt=2", "rlhf.kl_estimator=k3"),
     ("rlhf.ppo.advantage_estimator=reinforce_pp", "rlhf.whiten_advantages=false", "rlhf.ema_decay=0.9"),
     ("rlhf.algorithm=grpo", "rlhf.grpo.scale=none", "rlhf.grpo.beta=0", "rlhf.ppo_epochs=2"),

@@ -144,6 +144,24 @@ def prepare_for_training(model: torch.nn.Module, compute: ComputeConfig) -> torc
     return model
 
 
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Every dropout off (TRL's ``disable_dropout_in_model``), for RL's policy and critic.
+
+    The rollout pass runs in eval mode and the training pass in train mode: with dropout on (a checkpoint's
+    ``attention_dropout``, ``compute.lora.dropout``) the same tokens get different log-probs and the first
+    PPO ratio is not 1. Zeroes ``nn.Dropout`` modules (LoRA's included) and the float ``*dropout*``
+    attributes that attention layers pass to the kernel, in the modules and their configs.
+    """
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for obj in (m, getattr(m, "config", None)):
+            for name in [n for n in vars(obj) if "dropout" in n] if obj is not None else ():
+                if isinstance(getattr(obj, name), float):
+                    setattr(obj, name, 0.0)
+    return model
+
+
 # --------------------------------------------------------------------------- saving / loading
 def _is_peft(model) -> bool:
     try:

@@ -61,6 +61,7 @@ class RLHFHooks:
     """Test/instrumentation hooks."""
 
     after_step: Callable[[int, dict], None] | None = None  # (step, metrics) after the checkpoint
+    log_table: Callable[[dict, str], None] | None = None  # (columns, artifact file): sampled responses
 
 
 class AdapterDisabled:
@@ -101,6 +102,8 @@ def check_inputs(params: Params, root: Path) -> dict:
             f"{paths.RM_MODEL}: no reward model, but PPO with rlhf.ppo.advantage_estimator: gae needs a critic "
             "initialised from it; run `rlhf stage rm`, or use rlhf.algorithm: grpo or a critic-free "
             "rlhf.ppo.advantage_estimator (rloo, reinforce_pp)")
+    if needs_critic:
+        check_critic_tokenizer(sft_dir, rm_dir, params.model.trust_remote_code)
     world = D.world_size()
     if cfg.prompts_per_step % world:
         raise TrainingInputError(f"rlhf.prompts_per_step ({cfg.prompts_per_step}) must be divisible by the number "
@@ -119,6 +122,20 @@ def check_inputs(params: Params, root: Path) -> dict:
                                  "run `rlhf stage rm` or remove `rm`")
     return {"sft": sft_dir, "rm": rm_dir, "uses_rm": needs_critic or RM_SOURCE in cfg.reward_fns,
             "needs_critic": needs_critic}
+
+
+def check_critic_tokenizer(sft_dir: Path, rm_dir: Path, trust_remote_code: bool) -> None:
+    """The critic (initialised from the RM) reads the actor's token ids: refuse an RM with another vocabulary
+    (the reward can be re-tokenised from text, the critic's per-token values cannot)."""
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.rewards.sources import same_tokenizer
+
+    if not same_tokenizer(load_tokenizer(sft_dir, trust_remote_code), load_tokenizer(rm_dir, trust_remote_code)):
+        raise TrainingInputError(
+            f"{paths.RM_MODEL}: its tokenizer differs from the actor's ({paths.SFT_MODEL}), but PPO with "
+            "rlhf.ppo.advantage_estimator: gae initialises the critic from it and feeds it the actor's token ids; "
+            "train the RM from the SFT model (rm.init_from: sft), or use a critic-free estimator (grpo, rloo, "
+            "reinforce_pp), which score the RM on re-tokenised text")
 
 
 def _sum_stats(total: dict[str, float], stats: dict[str, torch.Tensor], weight: float) -> None:
@@ -265,11 +282,11 @@ class RLHFTrainer:
 
     def _load_actor(self):
         from rlhf_core.engine.engine import model_init_context
-        from rlhf_core.models.loading import load_causal_lm, prepare_for_training
+        from rlhf_core.models.loading import disable_dropout, load_causal_lm, prepare_for_training
 
         with model_init_context(self.params.compute, self.cfg):
             model = load_causal_lm(self.inputs["sft"], **self._model_kwargs())
-        return prepare_for_training(model, self.params.compute)
+        return disable_dropout(prepare_for_training(model, self.params.compute))
 
     def _load_ref(self):
         compute = self.params.compute
@@ -297,12 +314,12 @@ class RLHFTrainer:
 
     def _load_critic(self):
         from rlhf_core.engine.engine import model_init_context
-        from rlhf_core.models.loading import prepare_for_training
+        from rlhf_core.models.loading import disable_dropout, prepare_for_training
         from rlhf_core.models.value_head import ValueHeadModel
 
         with model_init_context(self.params.compute, self.cfg):
             critic = ValueHeadModel.from_pretrained(self.inputs["rm"], require_head=True, **self._model_kwargs())
-        return prepare_for_training(critic, self.params.compute)
+        return disable_dropout(prepare_for_training(critic, self.params.compute))
 
     def _input_hashes(self) -> dict[str, str]:
         from rlhf_core.trainers.common import input_hashes
@@ -386,9 +403,18 @@ class RLHFTrainer:
                                       or self.state.step == self.stop_at):
             ema = {k: v.cpu() for k, v in self.ema.items()} if self.ema is not None else None
             self.ckpt.save(self.engines, self.state.step, self.state.to_json(), ema)
+        every = self.params.eval.table_every
+        if (self.hooks.log_table is not None and D.is_main() and every
+                and (self.state.step % every == 0 or self.state.step in (1, self.stop_at))):
+            self.hooks.log_table(self.sample_table(), f"rlhf_samples/step_{self.state.step:05d}.json")
         if self.hooks.after_step is not None:
             self.hooks.after_step(self.state.step, metrics)
         return metrics
+
+    def sample_table(self, rows: int = 32) -> dict[str, list]:
+        """The first ``rows`` sampled responses of this iteration's last generation batch: prompt, response,
+        proxy reward (the training score) and the judge's score (the checker) where one exists."""
+        return {k: v[:rows] for k, v in self.maker.samples.items()}
 
     def _check_finite(self, value: torch.Tensor, what: str) -> None:
         bad = D.all_reduce_sum(torch.tensor([0.0 if math.isfinite(float(value)) else 1.0]))
@@ -498,8 +524,8 @@ class RLHFTrainer:
              "no_eos_share": no_eos / rows, "empty_dropped": empty, "no_eos": no_eos, "rows": rows,
              "lr": self.actor.lr, "t_generate": t_gen, "t_score": t_score, "t_train": t_tr, "t_step": t_st,
              "samples_per_s": rows / t_st if t_st > 0 else 0.0}
-        if self.has_answers:
-            m["train_accuracy"] = correct / rows
+        if self.has_answers:  # the judge (checker) on the same sampled responses the proxy scored
+            m["train_accuracy"] = m["judge_score"] = correct / rows
         if self.cfg.samples_per_prompt > 1:
             m["group_reward_std"] = gstd / max(groups, 1.0)
         if n_val > 1:
@@ -530,7 +556,7 @@ class RLHFTrainer:
         gen = GenerationConfig(ev.max_new_tokens, do_sample=False, synced_gpus=self.gen.synced_gpus)
         was_training = model.training
         model.eval()
-        sums = torch.zeros(5, dtype=torch.float64)  # correct, eos, length, kl, n
+        sums = torch.zeros(6, dtype=torch.float64)  # correct, eos, length, kl, proxy reward, n
         for i in range(0, len(idx), ev.batch_size):
             rows, w = idx[i:i + ev.batch_size], weight[i:i + ev.batch_size].double()
             batch = left_pad_prompts(self.eval_tokens, rows, self.tokenizer.pad_token_id)
@@ -540,16 +566,21 @@ class RLHFTrainer:
                               dtype=torch.float64)
             ended = (roll.responses == self.tokenizer.eos_token_id).any(dim=1).double()
             length = roll.action_mask.sum(dim=1).double()
+            prompts = [self.eval_prompts[int(j)] for j in rows.tolist()]
+            columns = {"answer": [self.eval_answers[int(j)] for j in rows.tolist()]} if self.has_answers else {}
+            proxy = self.reward(prompts, roll.texts, **columns).double()
             kl = torch.zeros_like(w)
             if with_kl:
                 dev_roll = type(roll)(roll.prompt_ids.to(self.device), roll.prompt_mask.to(self.device),
                                       roll.responses.to(self.device), roll.action_mask.to(self.device), roll.texts)
                 kl = sequence_kl(model, self.ref, dev_roll, ev.batch_size).double().cpu()
-            sums += torch.stack([(ok * w).sum(), (ended * w).sum(), (length * w).sum(), (kl * w).sum(), w.sum()])
+            sums += torch.stack([(ok * w).sum(), (ended * w).sum(), (length * w).sum(), (kl * w).sum(),
+                                 (proxy * w).sum(), w.sum()])
         model.train(was_training)
         sums = D.all_reduce_sum(sums)
-        n = float(sums[4].clamp(min=1))
-        out = {"accuracy": float(sums[0]) / n, "eos_share": float(sums[1]) / n, "response_length": float(sums[2]) / n}
+        n = float(sums[5].clamp(min=1))
+        out = {"accuracy": float(sums[0]) / n, "eos_share": float(sums[1]) / n, "response_length": float(sums[2]) / n,
+               "proxy_reward": float(sums[4]) / n}
         if with_kl:
             out["kl_to_reference"] = float(sums[3]) / n
         return out
@@ -607,6 +638,7 @@ class RLHFTrainer:
             "algorithm": cfg.algorithm, "steps": self.state.step, "resumed_from_step": self.resumed_from,
             "sft_accuracy": sft_eval.get("accuracy"), "accuracy": final.get("accuracy"),
             "accuracy_gain": (final["accuracy"] - sft_eval["accuracy"]) if "accuracy" in final and sft_eval else None,
+            "proxy_reward": final.get("proxy_reward"), "sft_proxy_reward": sft_eval.get("proxy_reward"),
             "kl_to_reference": final.get("kl_to_reference"), "kl_bound": self.params.gates.max_kl,
             "kl_within_bound": (final["kl_to_reference"] <= self.params.gates.max_kl) if final else None,
             "eos_share": final.get("eos_share"), "response_length": final.get("response_length"),
