@@ -219,6 +219,23 @@ def _log_outputs(stage: str, root: Path) -> None:
         mlflow.log_artifact(str(png), artifact_path="plots")
 
 
+def log_table(table: dict[str, list], artifact_file: str) -> None:
+    """``mlflow.log_table`` into the active stage run (rank 0); nothing when tracking is off or no run is active.
+
+    Tables are evidence, not training: an MLflow failure is warned about and never raised.
+    """
+    if not tracking_enabled() or not is_rank_zero():
+        return
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    try:
+        mlflow.log_table(data=table, artifact_file=artifact_file)
+    except Exception as err:  # any transport or server error
+        print(f"warning: MLflow could not log table {artifact_file} ({type(err).__name__}: {err})", file=sys.stderr)
+
+
 class _Guard:
     """Runs MLflow calls until the first failure, then warns once and stops: an outage never kills training."""
 

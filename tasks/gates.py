@@ -46,6 +46,21 @@ def _numbers(d, prefix=""):
         yield prefix.rstrip("."), float(d)
 
 
+def judge_check(report: dict, proxy_gain: float, min_gain: float) -> GateCheck:
+    """The judge must improve on the reference by ``min_gain`` whatever the proxy says (reward hacking check)."""
+    judge = report.get("judge_gain_vs_reference")
+    if judge is None:
+        return GateCheck("judge_gain_vs_reference", None, min_gain, ">=", True,
+                         "no judge (eval.judge): reward hacking cannot be detected")
+    passed = judge >= min_gain
+    note = f"judge: {report.get('judge_source', '?')}"
+    if not passed and proxy_gain > 0:
+        note = f"reward hacking suspected: proxy {proxy_gain:+.4g}, judge {judge:+.4g}"
+    elif not passed:
+        note = f"no improvement: proxy {proxy_gain:+.4g}, judge {judge:+.4g}"
+    return GateCheck("judge_gain_vs_reference", judge, min_gain, ">=", passed, note)
+
+
 def decide(report: dict, gates: GatesConfig) -> GateResult:
     """Apply every gate to an eval report (see ``docs/operations.md`` for the report schema)."""
     cand, ref = report["candidate"], report["reference"]
@@ -54,7 +69,8 @@ def decide(report: dict, gates: GatesConfig) -> GateResult:
     checks.append(GateCheck("no_nan", float(len(bad)), 0.0, "finite", not bad, ", ".join(bad)))
     gain = cand["reward_mean"] - ref["reward_mean"]
     checks.append(GateCheck("reward_gain_vs_reference", gain, gates.min_reward_gain, ">=",
-                            gain >= gates.min_reward_gain))
+                            gain >= gates.min_reward_gain, "proxy: the training reward"))
+    checks.append(judge_check(report, gain, gates.min_judge_gain))
     win = report.get("win_rate_vs_champion")
     if win is None:
         checks.append(GateCheck("win_rate_vs_champion", None, gates.min_win_rate_vs_champion, ">=", True,
@@ -78,11 +94,13 @@ def _fmt(x) -> str:
 
 def render_report(report: dict, result: GateResult, plots: dict[str, str] | None = None) -> str:
     """The markdown gate report: candidate vs reference vs champion, then pass/fail per gate."""
-    rows = ["reward_mean", "accuracy", "kl_to_reference", "response_length", "eos_share"]
+    rows = ["reward_mean", "judge_mean", "accuracy", "kl_to_reference", "response_length", "eos_share"]
     champ = report.get("champion") or {}
     lines = [f"# Gate report: {'PASSED' if result.passed else 'FAILED'}", "",
              f"Candidate `{report.get('candidate_label', 'candidate')}` on {report.get('n_prompts', '?')} held-out "
-             f"prompts; champion: {report.get('champion_label') or 'none'}.", "",
+             f"prompts; champion: {report.get('champion_label') or 'none'}. Proxy (`reward_mean`, what RL "
+             f"optimised): {report.get('reward_source', '?')}; judge: {report.get('judge_source') or 'none'}.", "",
+             *[f"**{c.note}.**" for c in result.failing if c.note.startswith("reward hacking")], "",
              "| metric | candidate | reference (SFT) | champion |", "|---|---|---|---|"]
     for key in rows:
         lines.append(f"| {key} | {_fmt(report['candidate'].get(key))} | {_fmt(report['reference'].get(key))} | "

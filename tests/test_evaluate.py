@@ -87,3 +87,46 @@ def test_sequence_kl_by_hand():
     assert kl.tolist() == pytest.approx([0.36806], abs=1e-4)
     rollout.action_mask = torch.tensor([[1, 0]])  # the second response token is masked out
     assert sequence_kl(_Table(p.log()), _Table(q.log()), rollout, batch_size=4).tolist() == pytest.approx([0.0])
+
+
+def test_proxy_and_judge_are_reported_with_the_answers_table(prepared, workspace):
+    _tiny_lm(workspace / "models/base", workspace / "models/actor", seed=1)
+    report = evaluate(prepared, workspace)
+    cand, ref = report["candidate"], report["reference"]
+    assert report["judge_source"] == "checker" and report["reward_source"] == "exact_answer:1"
+    assert cand["judge_mean"] == cand["accuracy"] and ref["judge_mean"] == ref["accuracy"]
+    assert report["judge_gain_vs_reference"] == pytest.approx(cand["accuracy"] - ref["accuracy"])
+    assert report["proxy_gain_vs_reference"] == pytest.approx(cand["reward_mean"] - ref["reward_mean"])
+    assert report["win_rate_basis"] == "judge"
+    table = json.loads((workspace / "reports/eval_answers.json").read_text())
+    assert len(table["prompt"]) == 12 and set(table) >= {"answer", "candidate_response", "candidate_proxy",
+                                                          "candidate_judge", "reference_response"}
+    assert sum(table["candidate_judge"]) / 12 == pytest.approx(cand["accuracy"])
+
+
+def test_judge_model_scores_when_prompts_have_no_checker(prepared, workspace):
+    """eval.judge: model with a judge RM directory: judge_mean is that RM's mean score; bad paths are named."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    from rlhf_core.models.value_head import ValueHeadModel
+    from rlhf_core.rewards.sources import load_reward_model
+
+    _tiny_lm(workspace / "models/base", workspace / "models/actor", seed=1)
+    torch.manual_seed(5)
+    judge_dir = workspace / "models/judge"
+    ValueHeadModel(AutoModel.from_config(AutoConfig.from_pretrained(workspace / "models/base"))).save_pretrained(
+        judge_dir)
+    AutoTokenizer.from_pretrained(workspace / "models/base").save_pretrained(judge_dir)
+    params = prepared.model_copy(update={"eval": prepared.eval.model_copy(
+        update={"judge": "model", "judge_model": "models/judge"})})
+    report = evaluate(params, workspace)
+    table = json.loads((workspace / "reports/eval_answers.json").read_text())
+    expected = load_reward_model(judge_dir).score_responses(table["prompt"], table["candidate_response"])
+    assert report["judge_source"] == "model:models/judge"
+    assert report["candidate"]["judge_mean"] == pytest.approx(float(expected.mean()), abs=1e-4)
+    bad = params.model_copy(update={"eval": params.eval.model_copy(update={"judge_model": "models/nope"})})
+    with pytest.raises(ValueError, match=r"eval.judge_model: .*models/nope holds no reward model"):
+        evaluate(bad, workspace)
+    none = params.model_copy(update={"eval": params.eval.model_copy(update={"judge_model": None})})
+    with pytest.raises(ValueError, match=r"eval.judge: model needs eval.judge_model"):
+        evaluate(none, workspace)

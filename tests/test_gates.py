@@ -75,3 +75,29 @@ def test_markdown_report_lists_models_and_gates():
     assert "| win_rate_vs_champion | 0.4 | >= 0.55 | **FAIL** |" in md
     assert "| kl_to_reference | 1.2 | <= 2 | pass |" in md
     assert "[reward curve](runs:/abc/plots/rlhf_reward.png)" in md
+
+
+def test_reward_hacking_is_refused_whatever_the_proxy_says():
+    """Proxy up (+2.5), judge down (-0.3): the judge gate fails and the report says it in words."""
+    hacked = report(candidate={"reward_mean": 3.0, "judge_mean": 0.3}, reference={"judge_mean": 0.6},
+                    judge_gain_vs_reference=-0.3, judge_source="checker")
+    result = decide(hacked, GATES)
+    checks = by_name(result)
+    assert not result.passed and [c.name for c in result.failing] == ["judge_gain_vs_reference"]
+    assert checks["reward_gain_vs_reference"].passed  # the proxy alone would have promoted it
+    assert checks["judge_gain_vs_reference"].note == "reward hacking suspected: proxy +2.5, judge -0.3"
+    assert "**reward hacking suspected: proxy +2.5, judge -0.3.**" in render_report(hacked, result)
+
+
+def test_judge_margin_is_configurable_and_inclusive():
+    rep = report(judge_gain_vs_reference=0.05, judge_source="checker")
+    assert decide(rep, GATES.model_copy(update={"min_judge_gain": 0.05})).passed
+    failed = decide(rep, GATES.model_copy(update={"min_judge_gain": 0.06}))
+    assert [c.name for c in failed.failing] == ["judge_gain_vs_reference"]
+    assert failed.failing[0].note.startswith("reward hacking suspected")  # the proxy rose by 0.3
+
+
+def test_no_judge_passes_with_a_warning_note():
+    checks = by_name(decide(report(judge_gain_vs_reference=None), GATES))
+    assert checks["judge_gain_vs_reference"].passed
+    assert "reward hacking cannot be detected" in checks["judge_gain_vs_reference"].note

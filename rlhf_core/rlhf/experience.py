@@ -297,6 +297,7 @@ class ExperienceMaker:
         self.actor, self.ref, self.critic = actor, ref, critic
         self.score_fn, self.tok, self.cfg = score_fn, tokenizer, cfg
         self.device = device if device is not None else torch.device("cpu")
+        self.samples: dict[str, list] = {}  # the last batch's prompts, responses, proxy scores (and judge)
 
     def make(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompts: list[str],
              columns: dict[str, list], group_offset: int = 0) -> Experience:
@@ -329,11 +330,14 @@ class ExperienceMaker:
             seq_adv = group_advantages(scores, n, cfg.grpo_scale)
         elif cfg.estimator == "rloo":
             seq_adv = rloo_advantages(scores, n)
-        correct = 0.0
+        judged = None
         if "answer" in rep_cols:
             from rlhf_core.rewards import check_answer
 
-            correct = float(sum(check_answer(t, a) for t, a in zip(roll.texts, rep_cols["answer"], strict=True)))
+            judged = [float(check_answer(t, a)) for t, a in zip(roll.texts, rep_cols["answer"], strict=True)]
+        correct = sum(judged) if judged is not None else 0.0
+        self.samples = {"prompt": rep_prompts, "response": list(roll.texts), "proxy": scores.tolist(),
+                        **({"judge": judged} if judged is not None else {})}
         empty = empty_response(roll.responses, roll.action_mask, self.tok.eos_token_id)
         lengths = roll.action_mask.sum(dim=1).float()
         info = {"rows": float(len(roll.texts)), "empty": float(empty.sum()), "no_eos": float((~ended).sum()),

@@ -16,6 +16,7 @@ from rlhf_core.config import Params
 
 def run(params: Params, root: str | Path = ".", log=None) -> dict:
     """Stage entry point used by the CLI."""
-    from rlhf_core.rlhf.trainer import train_rlhf
+    from rlhf_core import tracking
+    from rlhf_core.rlhf.trainer import RLHFHooks, train_rlhf
 
-    return train_rlhf(params, root, log)
+    return train_rlhf(params, root, log, RLHFHooks(log_table=tracking.log_table))
