@@ -1,0 +1,167 @@
+"""``python -m rlhf_core.rlhf.learning``: held-out learning figures over seeds, variants side by side.
+
+A training-reward curve proves nothing (it is what reward hacking looks like), so this runner reports what
+the reward does not control: the greedy held-out accuracy judged by the task's checker, over several seeds,
+with the spread, next to the proxy reward and the KL. Every (variant, seed) pair is one ``rlhf stage rlhf``
+process in its own run directory that links the base workspace's prepared data and models (the SFT start,
+the RM), so all variants start from the identical SFT model, prompts and budget. Pairs run ``--jobs`` at a
+time, interleaved across variants (on a shared machine a variant does not get the quiet slot).
+
+``variant`` is ``NAME=KEY=VALUE[,KEY=VALUE...]`` (the overrides of ``rlhf stage -S``); ``NAME`` alone is the
+base params. ``trl`` as the NAME runs TRL's ``GRPOTrainer`` on the same budget instead
+(``rlhf_core.rlhf.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
+run, appended as runs finish; a re-run skips the pairs already there) and the summary table to stdout.
+
+    python -m rlhf_core.rlhf.learning --workspace W --seeds 1,2,3,4 --out runs \\
+        ours_grpo=rlhf.algorithm=grpo trl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+LINKED = ("data", "models/sft", "models/rm", "models/base", "params.yaml")
+REPORTED = ("sft_accuracy", "accuracy", "accuracy_gain", "proxy_reward", "sft_proxy_reward", "kl_to_reference",
+            "eos_share", "train_time_s", "wall_time_s")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...] = ()
+
+    @staticmethod
+    def parse(spec: str) -> Variant:
+        """``NAME`` or ``NAME=key=value,key=value``; a value may not contain ``,`` (use several variants)."""
+        name, _, rest = spec.partition("=")
+        if not name:
+            raise ValueError(f"variant {spec!r}: empty name")
+        return Variant(name, tuple(o for o in rest.split(",") if o) if rest else ())
+
+
+def link_workspace(base: Path, run_dir: Path) -> None:
+    """A run directory that reads the base workspace's data and models (symlinks) and writes its own outputs."""
+    for rel in LINKED:
+        src, dst = base / rel, run_dir / rel
+        if not src.exists():
+            if rel in ("models/rm", "models/base"):
+                continue
+            raise FileNotFoundError(f"{src}: the base workspace lacks it (run prepare, sft and rm there first)")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if not dst.exists():
+            dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
+
+
+def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, extra: tuple[str, ...]) -> dict:
+    run_dir = out / f"{variant.name}-s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    link_workspace(base, run_dir)
+    env = {**os.environ, "RLHF_TRACKING": "off", "OMP_NUM_THREADS": str(threads)}
+    if variant.name == "trl":
+        cmd = [sys.executable, "-m", "rlhf_core.rlhf.trl_grpo", "--seed", str(seed), "--threads", str(threads),
+               *[a for o in (*extra, *variant.overrides) for a in ("-S", o)]]
+    else:
+        sets = [f"project.seed={seed}", f"compute.num_threads={threads}", *extra, *variant.overrides]
+        cmd = [sys.executable, "-m", "rlhf_core.cli", "stage", "rlhf", *[a for o in sets for a in ("-S", o)]]
+    t0 = time.perf_counter()
+    with open(run_dir / "run.log", "w") as logf:
+        rc = subprocess.run(cmd, cwd=run_dir, env=env, stdout=logf, stderr=subprocess.STDOUT).returncode
+    row = {"variant": variant.name, "seed": seed, "overrides": list(variant.overrides), "rc": rc,
+           "command_wall_s": round(time.perf_counter() - t0, 1)}
+    metrics_file = run_dir / "metrics" / "rlhf.json"
+    if rc == 0 and metrics_file.exists():
+        m = json.loads(metrics_file.read_text())
+        row |= {k: m.get(k) for k in REPORTED}
+    return row
+
+
+def mean_spread(values: list[float]) -> tuple[float, float, float, float]:
+    """(mean, sample std, min, max)."""
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, std, min(values), max(values)
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """One line per variant: held-out accuracy mean/std/min/max over seeds, mean gain, proxy, KL, time."""
+    out = []
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        ok = [r for r in rows if r["variant"] == name and r["rc"] == 0 and r.get("accuracy") is not None]
+        if not ok:
+            out.append({"variant": name, "runs": 0, "failed": sum(r["variant"] == name for r in rows)})
+            continue
+        acc = mean_spread([100 * r["accuracy"] for r in ok])
+        line = {"variant": name, "runs": len(ok), "acc_mean": acc[0], "acc_std": acc[1], "acc_min": acc[2],
+                "acc_max": acc[3], "seeds": [r["seed"] for r in ok],
+                "acc_by_seed": [round(100 * r["accuracy"], 1) for r in ok]}
+        for key in ("sft_accuracy", "accuracy_gain", "proxy_reward", "sft_proxy_reward", "kl_to_reference",
+                    "train_time_s"):
+            vals = [r[key] for r in ok if r.get(key) is not None]
+            if vals:
+                line[key] = sum(vals) / len(vals) * (100 if key in ("sft_accuracy", "accuracy_gain") else 1)
+        out.append(line)
+    return out
+
+
+def render(summary: list[dict]) -> str:
+    head = ("| variant | runs | held-out acc. mean ± std (min-max) | per seed | gain | proxy (SFT -> actor) | KL | "
+            "train s |")
+    lines = [head, "|" + "---|" * 8]
+
+    def f(x, p=1):
+        return "—" if x is None else f"{x:.{p}f}"
+
+    for s in summary:
+        if not s["runs"]:
+            lines.append(f"| {s['variant']} | 0 ({s['failed']} failed) | | | | | | |")
+            continue
+        proxy = f"{f(s.get('sft_proxy_reward'), 2)} -> {f(s.get('proxy_reward'), 2)}"
+        lines.append(f"| {s['variant']} | {s['runs']} | {s['acc_mean']:.1f} ± {s['acc_std']:.1f} "
+                     f"({s['acc_min']:.1f}-{s['acc_max']:.1f}) | {' / '.join(map(str, s['acc_by_seed']))} | "
+                     f"{f(s.get('accuracy_gain'))} | {proxy} | {f(s.get('kl_to_reference'), 2)} | "
+                     f"{f(s.get('train_time_s'), 0)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", nargs="+", help="NAME or NAME=key=value,key=value (or `trl`)")
+    ap.add_argument("--workspace", type=Path, required=True, help="base workspace with data/prepared, models/sft|rm")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("-S", "--set", dest="extra", action="append", default=[], help="override for every variant")
+    a = ap.parse_args(argv)
+    variants = [Variant.parse(v) for v in a.variants]
+    seeds = [int(s) for s in a.seeds.split(",")]
+    a.out.mkdir(parents=True, exist_ok=True)
+    results = a.out / "results.jsonl"
+    done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+    have = {(r["variant"], r["seed"]) for r in done if r["rc"] == 0}
+    todo = [(v, s) for s in seeds for v in variants if (v.name, s) not in have]
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        futures = [pool.submit(run_one, a.workspace.resolve(), a.out.resolve(), v, s, a.threads, tuple(a.extra))
+                   for v, s in todo]
+        for fut in futures:
+            row = fut.result()
+            with open(results, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    rows = [r for r in rows if any(r["variant"] == v.name for v in variants) and r["seed"] in seeds]
+    print(render(summarise(rows)))
+
+
+if __name__ == "__main__":
+    main()
