@@ -50,6 +50,9 @@ def print_summary(summary: dict) -> None:
         failing = [f"{c['name']}={c['value']}" for c in gate["checks"] if not c["passed"]]
         verdict = "[green]PASSED[/green]" if gate["passed"] else f"[red]FAILED[/red] ({', '.join(failing)})"
         console.print(f"gate: {verdict}; promoted: {summary['promoted']}; champion: v{summary.get('champion')}")
+        for c in gate["checks"]:
+            if not c["passed"] and c.get("note"):
+                console.print(f"  {c['name']}: {c['note']}", highlight=False)
     uri = summary.get("tracking_uri", "")
     console.print(f"MLflow UI: mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite")
                   else f"MLflow UI: {uri}")

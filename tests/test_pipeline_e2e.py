@@ -27,7 +27,8 @@ TINY = {
     "rm": {"epochs": 1, "max_steps": 4, "micro_batch_size": 16, "log_every": 1},
     "rlhf": {"num_steps": 2, "prompts_per_step": 8, "max_new_tokens": 4, "log_every": 1},
     "eval": {"max_prompts": 16, "max_new_tokens": 4},
-    "gates": {"min_reward_gain": -1000.0, "min_win_rate_vs_champion": 0.0, "max_kl": 1.0e9, "min_accuracy": 0.0},
+    "gates": {"min_reward_gain": -1000.0, "min_win_rate_vs_champion": 0.0, "max_kl": 1.0e9, "min_accuracy": 0.0,
+              "min_judge_gain": -1000.0},
     "tracking": {"system_metrics": False},
 }
 

@@ -543,47 +543,11 @@ class RLHFTrainer:
             self.step()
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def heldout_eval(self, model, with_kl: bool = True) -> dict[str, float]:
-        """Greedy decoding on the held-out prompts: exact-answer accuracy, EOS share, length and the exact KL
-        to the reference, ``mean_i sum_t KL(pi(.|prefix) || pi_ref(.|prefix))`` (as ``rlhf stage evaluate``)."""
-        from rlhf_core.rewards import check_answer
-        from rlhf_core.stages.evaluate import sequence_kl
-        from rlhf_core.trainers.common import shard_for_eval
-
-        ev = self.params.eval
-        idx, weight = shard_for_eval(len(self.eval_prompts))
-        gen = GenerationConfig(ev.max_new_tokens, do_sample=False, synced_gpus=self.gen.synced_gpus)
-        was_training = model.training
-        model.eval()
-        sums = torch.zeros(6, dtype=torch.float64)  # correct, eos, length, kl, proxy reward, n
-        for i in range(0, len(idx), ev.batch_size):
-            rows, w = idx[i:i + ev.batch_size], weight[i:i + ev.batch_size].double()
-            batch = left_pad_prompts(self.eval_tokens, rows, self.tokenizer.pad_token_id)
-            roll = rollout(model, batch["input_ids"], batch["attention_mask"], self.tokenizer, gen)
-            ok = torch.tensor([check_answer(t, self.eval_answers[int(j)]) for t, j in zip(roll.texts, rows.tolist(),
-                                                                                          strict=True)],
-                              dtype=torch.float64)
-            ended = (roll.responses == self.tokenizer.eos_token_id).any(dim=1).double()
-            length = roll.action_mask.sum(dim=1).double()
-            prompts = [self.eval_prompts[int(j)] for j in rows.tolist()]
-            columns = {"answer": [self.eval_answers[int(j)] for j in rows.tolist()]} if self.has_answers else {}
-            proxy = self.reward(prompts, roll.texts, **columns).double()
-            kl = torch.zeros_like(w)
-            if with_kl:
-                dev_roll = type(roll)(roll.prompt_ids.to(self.device), roll.prompt_mask.to(self.device),
-                                      roll.responses.to(self.device), roll.action_mask.to(self.device), roll.texts)
-                kl = sequence_kl(model, self.ref, dev_roll, ev.batch_size).double().cpu()
-            sums += torch.stack([(ok * w).sum(), (ended * w).sum(), (length * w).sum(), (kl * w).sum(),
-                                 (proxy * w).sum(), w.sum()])
-        model.train(was_training)
-        sums = D.all_reduce_sum(sums)
-        n = float(sums[5].clamp(min=1))
-        out = {"accuracy": float(sums[0]) / n, "eos_share": float(sums[1]) / n, "response_length": float(sums[2]) / n,
-               "proxy_reward": float(sums[4]) / n}
-        if with_kl:
-            out["kl_to_reference"] = float(sums[3]) / n
-        return out
+        """``heldout_eval`` of ``model`` on this run's held-out prompts, against its reference and reward."""
+        data = HeldOut(self.eval_prompts, self.eval_answers if self.has_answers else None, self.eval_tokens)
+        return heldout_eval(model, self.ref if with_kl else None, self.tokenizer, data, self.reward,
+                            self.params.eval, self.device, self.gen.synced_gpus)
 
     # ------------------------------------------------------------------ outputs
     def finish(self) -> dict:
@@ -683,6 +647,59 @@ class RLHFTrainer:
             save_causal_lm(model, tmp, merge_lora=self.params.compute.lora.merge_on_save)
             self.tokenizer.save_pretrained(tmp)
             write_meta(tmp, meta)
+
+
+@dataclass
+class HeldOut:
+    """Held-out prompts (text, answers or None, tokens as in training)."""
+
+    prompts: list[str]
+    answers: list | None
+    tokens: Ragged
+
+
+@torch.no_grad()
+def heldout_eval(model, ref, tokenizer, data: HeldOut, reward, ev, device, synced_gpus: bool = False
+                 ) -> dict[str, float]:
+    """Greedy decoding on the held-out prompts (``eval.max_new_tokens``), sharded over ranks: the judge's
+    exact-answer accuracy, the proxy reward (``reward``: the training reward sources), EOS share, length and,
+    with a ``ref``, the exact KL to it, ``mean_i sum_t KL(pi(.|prefix) || pi_ref(.|prefix))`` (as ``rlhf stage
+    evaluate``). Used for our actor and for TRL's in the learning comparison: one evaluator."""
+    from rlhf_core.rewards import check_answer
+    from rlhf_core.stages.evaluate import sequence_kl
+    from rlhf_core.trainers.common import shard_for_eval
+
+    idx, weight = shard_for_eval(len(data.prompts))
+    gen = GenerationConfig(ev.max_new_tokens, do_sample=False, synced_gpus=synced_gpus)
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(6, dtype=torch.float64)  # correct, eos, length, kl, proxy reward, n
+    for i in range(0, len(idx), ev.batch_size):
+        rows, w = idx[i:i + ev.batch_size], weight[i:i + ev.batch_size].double()
+        batch = left_pad_prompts(data.tokens, rows, tokenizer.pad_token_id)
+        roll = rollout(model, batch["input_ids"], batch["attention_mask"], tokenizer, gen)
+        answers = [data.answers[j] for j in rows.tolist()] if data.answers is not None else None
+        ok = torch.tensor([check_answer(t, a) for t, a in zip(roll.texts, answers, strict=True)]
+                          if answers is not None else [0.0] * len(rows), dtype=torch.float64)
+        ended = (roll.responses == tokenizer.eos_token_id).any(dim=1).double()
+        length = roll.action_mask.sum(dim=1).double()
+        prompts = [data.prompts[j] for j in rows.tolist()]
+        proxy = reward(prompts, roll.texts, **({"answer": answers} if answers is not None else {})).double()
+        kl = torch.zeros_like(w)
+        if ref is not None:
+            dev_roll = type(roll)(roll.prompt_ids.to(device), roll.prompt_mask.to(device),
+                                  roll.responses.to(device), roll.action_mask.to(device), roll.texts)
+            kl = sequence_kl(model, ref, dev_roll, ev.batch_size).double().cpu()
+        sums += torch.stack([(ok * w).sum(), (ended * w).sum(), (length * w).sum(), (kl * w).sum(),
+                             (proxy * w).sum(), w.sum()])
+    model.train(was_training)
+    sums = D.all_reduce_sum(sums)
+    n = float(sums[5].clamp(min=1))
+    out = {"accuracy": float(sums[0]) / n, "eos_share": float(sums[1]) / n, "response_length": float(sums[2]) / n,
+           "proxy_reward": float(sums[4]) / n}
+    if ref is not None:
+        out["kl_to_reference"] = float(sums[3]) / n
+    return out
 
 
 def train_rlhf(params: Params, root: str | Path = ".", log: LogFn | None = None,

@@ -1,0 +1,129 @@
+"""TRL's ``GRPOTrainer`` on our RLHF budget, judged by our held-out evaluator: the peer in the learning comparison.
+
+``python -m rlhf_core.rlhf.trl_grpo [--seed S] [--threads N] [-S key=value ...]`` in a workspace holding
+``data/prepared`` and ``models/sft`` (and ``models/rm`` for the RM reward); needs the ``bench`` extra (trl).
+``rlhf_core.rlhf.learning`` runs it as the variant ``trl``, next to ours, from the same base workspace.
+
+The same inputs and budget as ``rlhf stage rlhf`` with ``rlhf.algorithm: grpo`` and the same params:
+
+* model: ``models/sft`` (actor; TRL builds its own frozen reference from it when ``beta > 0``);
+* prompts: ``prompts.parquet``, tokenised by TRL's ``processing_class`` (the same tokenizer);
+* reward: ``rlhf.reward_fns`` through our ``RewardSources`` (the RM, the checker, or both);
+* per iteration ``prompts_per_step x G`` completions (``generation_batch_size``), split into
+  ``ceil(rows / micro_batch_size)`` optimizer steps of ``micro_batch_size`` rows (``steps_per_generation``),
+  ``num_steps`` iterations; ``lr`` constant, ``beta = grpo.beta`` (TRL: k3 in the loss), ``epsilon =
+  grpo.clip_eps``, ``scale_rewards = grpo.scale``, temperature, top-p, top-k off, ``max_new_tokens``;
+  TRL's default ``loss_type="dapo"`` (token-level mean, like ours); no ptx (TRL has none: compare with
+  ``rlhf.ptx_coef: 0``).
+
+The trained policy is scored by ``trainer.heldout_eval`` (greedy held-out accuracy, proxy reward, exact KL to
+the SFT model) and ``metrics/rlhf.json`` is written with the keys ``learning`` reads, so both frameworks are
+measured by one evaluator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def train_trl_grpo(params, root: str | Path = ".") -> dict:
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_core import paths
+    from rlhf_core.data.collate import encode_prompts
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.meta import write_json_atomic
+    from rlhf_core.rewards.sources import RewardSources
+    from rlhf_core.rlhf.trainer import HeldOut, heldout_eval
+    from rlhf_core.trainers.common import read_split
+
+    root = Path(root)
+    t_start = time.perf_counter()
+    cfg = params.rlhf
+    torch.set_num_threads(params.compute.num_threads or torch.get_num_threads())
+    tok = load_tokenizer(root / paths.SFT_MODEL)
+    reward = RewardSources(cfg.reward_fns, root / paths.RM_MODEL, tok, cfg.rm_tokenizer_mismatch)
+    train = read_split(root, "prompts", columns=("prompt", "answer"))
+    evals = read_split(root, "prompts", eval_split=True, columns=("prompt", "answer"))
+    n_eval = min(len(evals["prompt"]), params.eval.max_prompts)
+    held = HeldOut(evals["prompt"][:n_eval], evals["answer"][:n_eval],
+                   encode_prompts(tok, evals["prompt"][:n_eval], params.data.max_prompt_len))
+
+    def reward_fn(prompts, completions, answer=None, **_):
+        columns = {"answer": list(answer)} if answer is not None else {}
+        return reward(list(prompts), list(completions), **columns).tolist()
+
+    reward_fn.__name__ = "+".join(cfg.reward_fns)
+    group = cfg.grpo.group_size
+    rows = cfg.prompts_per_step * group
+    steps_per_generation = math.ceil(rows / cfg.micro_batch_size)
+    model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL)
+    ref = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL).eval()
+    sft_eval = heldout_eval(model, None, tok, held, reward, params.eval, "cpu")
+
+    class Timer(TrainerCallback):
+        train_s = 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.train_s = time.perf_counter() - self.t0
+
+    args = GRPOConfig(
+        output_dir=str(root / "trl"), use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no",
+        logging_steps=steps_per_generation * cfg.log_every, max_steps=cfg.num_steps * steps_per_generation,
+        learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.weight_decay,
+        max_grad_norm=params.compute.grad_clip, per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=1, steps_per_generation=steps_per_generation, num_generations=group,
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+        beta=cfg.grpo.beta, epsilon=cfg.grpo.clip_eps, num_iterations=cfg.ppo_epochs,
+        scale_rewards={"group": "group", "batch": "batch", "none": "none"}[cfg.grpo.scale],
+        seed=params.project.seed, data_seed=params.project.seed, dataloader_num_workers=0, disable_dropout=True)
+    timer = Timer()
+    data = Dataset.from_dict({"prompt": train["prompt"], "answer": train["answer"]})
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=data, processing_class=tok,
+                          callbacks=[timer])
+    trainer.train()
+    final = heldout_eval(trainer.model, ref, tok, held, reward, params.eval, "cpu")
+    metrics = {
+        "framework": f"trl {trl.__version__}", "algorithm": "grpo", "steps": cfg.num_steps,
+        "optimizer_steps": trainer.state.global_step, "sft_accuracy": sft_eval["accuracy"],
+        "accuracy": final["accuracy"], "accuracy_gain": final["accuracy"] - sft_eval["accuracy"],
+        "proxy_reward": final["proxy_reward"], "sft_proxy_reward": sft_eval["proxy_reward"],
+        "kl_to_reference": final["kl_to_reference"], "eos_share": final["eos_share"],
+        "train_time_s": round(timer.train_s, 3), "wall_time_s": round(time.perf_counter() - t_start, 2),
+    }
+    write_json_atomic(root / paths.METRICS / "rlhf.json", metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rlhf_core.config import DEFAULT_PARAMS, load_params
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    a = ap.parse_args(argv)
+    sets = [*a.overrides, "rlhf.algorithm=grpo"]
+    if a.seed is not None:
+        sets.append(f"project.seed={a.seed}")
+    if a.threads:
+        sets.append(f"compute.num_threads={a.threads}")
+    os.environ.setdefault("RLHF_TRACKING", "off")
+    print(json.dumps(train_trl_grpo(load_params(Path(DEFAULT_PARAMS), sets))))
+
+
+if __name__ == "__main__":
+    main()
