@@ -220,6 +220,11 @@ class PPOConfig(_Section):
         "gae", description="`gae` trains a critic (from `models/rm`); `rloo` (needs samples_per_prompt >= 2) "
                            "and `reinforce_pp` are critic-free.")
     samples_per_prompt: int = Field(4, ge=1, description="Responses sampled per prompt (RLOO's group).")
+    score_baseline: Literal["none", "group_mean"] = Field(
+        "none", description="`group_mean`: subtract the mean score of the prompt's samples before the KL penalty "
+                            "and GAE (needs samples_per_prompt >= 2). A pairwise (Bradley-Terry) RM's score is "
+                            "defined only up to a per-prompt constant; centring removes it, so advantages carry "
+                            "only what the RM can tell apart. (RLOO uses its own leave-one-out baseline.)")
 
 
 class GRPOConfig(_Section):
@@ -284,6 +289,9 @@ class RLHFConfig(OptimConfig):
 
     @model_validator(mode="after")
     def _groups_fit(self) -> RLHFConfig:
+        if self.algorithm == "ppo" and self.ppo.score_baseline != "none" and self.ppo.samples_per_prompt < 2:
+            raise ValueError(f"ppo.score_baseline: {self.ppo.score_baseline} needs ppo.samples_per_prompt >= 2 "
+                             f"(got {self.ppo.samples_per_prompt})")
         if self.algorithm == "ppo" and self.ppo.advantage_estimator == "rloo" and self.ppo.samples_per_prompt < 2:
             raise ValueError("ppo.advantage_estimator: rloo needs ppo.samples_per_prompt >= 2 "
                              f"(got {self.ppo.samples_per_prompt})")

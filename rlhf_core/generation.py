@@ -108,7 +108,7 @@ def clean_generation_config(model, tokenizer) -> Iterator[None]:
     from transformers import GenerationConfig as HFGenerationConfig
 
     clean = HFGenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                               bos_token_id=tokenizer.bos_token_id)
+                               bos_token_id=getattr(tokenizer, "bos_token_id", None))
     saved = [(m, m.generation_config) for m in model.modules() if hasattr(m, "generation_config")]
     try:
         for m, _ in saved:

@@ -254,3 +254,20 @@ def test_critic_free_estimators(estimator):
     else:  # whitened return-to-go over all valid tokens
         m = out.action_mask.bool()
         assert abs(float(out.advantages[m].mean())) < 1e-6
+
+
+def test_ppo_group_mean_baseline_centres_scores_per_prompt_before_gae():
+    """ppo.score_baseline: group_mean: scores 5, 3 for one prompt (mean 4) become +1 and -1 at the last valid
+    token; with gamma = lam = 1, no KL and a zero critic, GAE's advantage is that on every token."""
+    script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, EOS, PAD]])
+    prompts, pmask = PROMPTS[[1, 1]], PROMPT_MASK[[1, 1]]
+    actor, ref = ScriptedLM(bigram(0), script), ScriptedLM(bigram(1))
+    cfg = MakerConfig(algorithm="ppo", samples_per_prompt=2, gen=GenerationConfig(4), forward_batch_size=0,
+                      need_old_logp=True, need_ref=True, need_values=False, score_baseline="group_mean")
+    maker = ExperienceMaker(actor, ref, None, lambda p, c, **_: torch.tensor([5.0, 3.0]), Tok(), cfg)
+    exp = maker.make(prompts[:1], pmask[:1], ["p"], {})
+    assert exp.scores.tolist() == [5.0, 3.0] and exp.seq_adv.tolist() == [1.0, -1.0]
+    exp.values = torch.zeros(exp.action_mask.shape)
+    out = compute_advantages(exp, AdvantageConfig("ppo", "gae", gamma=1.0, lam=1.0, whiten=False), kl_coef=0.0)
+    assert out.rewards.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, -1.0]]
+    assert out.advantages.tolist() == [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]

@@ -204,7 +204,8 @@ def compute_advantages(exp: Experience, cfg: AdvantageConfig, kl_coef: float) ->
     """Token rewards, advantages and returns over the whole buffer (vectorised, no loop over tokens).
 
     * PPO/GAE: ``r_t = -kl_coef * KL_t`` (``kl_in: reward``; 0 with ``kl_in: loss``) plus the clipped score at
-      the last valid token; ``A, R = gae(V, r)``; ``A`` whitened over the buffer when configured.
+      the last valid token (``s - mean_group(s)`` with ``ppo.score_baseline: group_mean``, in ``seq_adv``);
+      ``A, R = gae(V, r)``; ``A`` whitened over the buffer when configured.
     * PPO/RLOO: the same token rewards around the leave-one-out score (``seq_adv``);
       ``A = R = sum_{k>=t} gamma^(k-t) r_k`` (whitened when configured).
     * PPO/REINFORCE++: ``A = R = whiten(sum_{k>=t} gamma^(k-t) r_k)``.
@@ -222,7 +223,7 @@ def compute_advantages(exp: Experience, cfg: AdvantageConfig, kl_coef: float) ->
         raise ValueError("KL in the reward needs the actor's and the reference's log-probs")
     logp = exp.old_logp if exp.old_logp is not None else torch.zeros(mask.shape)
     ref = exp.ref_logp if exp.ref_logp is not None else logp
-    score = exp.seq_adv if cfg.estimator == "rloo" else exp.scores
+    score = exp.seq_adv if exp.seq_adv is not None else exp.scores  # RLOO / group-mean baselines
     rewards = kl_penalized_rewards(score.float(), logp, ref, mask, coef, cfg.reward_clip, cfg.kl_estimator)
     if cfg.estimator == "gae":
         if exp.values is None:
@@ -280,6 +281,7 @@ class MakerConfig:
     no_eos_penalty: float | None = None
     estimator: str = "gae"
     grpo_scale: str = "group"
+    score_baseline: str = "none"  # PPO: "group_mean" centres scores within each prompt's samples
 
 
 def _batched(fn, n: int, batch: int):
@@ -330,6 +332,8 @@ class ExperienceMaker:
             seq_adv = group_advantages(scores, n, cfg.grpo_scale)
         elif cfg.estimator == "rloo":
             seq_adv = rloo_advantages(scores, n)
+        elif cfg.score_baseline == "group_mean":
+            seq_adv = group_advantages(scores, n, "none")
         judged = None
         if "answer" in rep_cols:
             from rlhf_core.rewards import check_answer

@@ -216,7 +216,8 @@ class RLHFTrainer:
                         forward_batch_size=cfg.micro_batch_size * cfg.grad_accum,
                         need_old_logp=ppo or not one_step_per_buffer, need_ref=kl_coef > 0,
                         need_values=self.critic is not None, no_eos_penalty=cfg.no_eos_penalty,
-                        estimator=cfg.ppo.advantage_estimator, grpo_scale=cfg.grpo.scale),
+                        estimator=cfg.ppo.advantage_estimator, grpo_scale=cfg.grpo.scale,
+                        score_baseline=cfg.ppo.score_baseline if ppo else "none"),
             device=self.device)
         self.adv_cfg = AdvantageConfig(cfg.algorithm, cfg.ppo.advantage_estimator, cfg.ppo.kl_in, cfg.kl_estimator,
                                        cfg.reward_clip, cfg.ppo.gamma, cfg.ppo.lam, cfg.whiten_advantages)
