@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LINKED = ("data", "models/sft", "models/rm", "models/base", "params.yaml")
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+                "CROSS_SIZE", "GROUP_RANK")
 REPORTED = ("sft_accuracy", "accuracy", "accuracy_gain", "proxy_reward", "sft_proxy_reward", "kl_to_reference",
             "eos_share", "train_time_s", "wall_time_s")
 
@@ -65,7 +67,8 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
     run_dir = out / f"{variant.name}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     link_workspace(base, run_dir)
-    env = {**os.environ, "RLHF_TRACKING": "off", "OMP_NUM_THREADS": str(threads)}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}  # each run is its own world of one
+    env |= {"RLHF_TRACKING": "off", "OMP_NUM_THREADS": str(threads)}
     if variant.name == "trl":
         cmd = [sys.executable, "-m", "rlhf_core.rlhf.trl_grpo", "--seed", str(seed), "--threads", str(threads),
                *[a for o in (*extra, *variant.overrides) for a in ("-S", o)]]

@@ -1,0 +1,70 @@
+"""The learning comparison (``rlhf_core.rlhf.learning``): seeds x variants side by side, ours and TRL's
+GRPOTrainer from one base workspace, judged by one held-out evaluator; the summary's numbers by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from rlhf_core.rlhf.learning import Variant, mean_spread, render, summarise
+from tests.conftest import make_params
+
+TINY = ["data.demo.n_rows=600", "data.demo.max_operand=4", "data.max_prompt_len=16", "data.max_response_len=4",
+        "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1",
+        "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2", "compute.num_threads=1",
+        "sft.epochs=2", "rm.max_steps=3", "eval.max_prompts=8", "eval.max_new_tokens=4",
+        "rlhf.num_steps=2", "rlhf.prompts_per_step=4", "rlhf.max_new_tokens=4", "rlhf.micro_batch_size=8",
+        "rlhf.ptx_coef=0", "rlhf.reward_fns={rm: 1.0}", "rlhf.grpo.scale=batch"]
+
+
+def test_variant_parse():
+    assert Variant.parse("ours") == Variant("ours", ())
+    assert Variant.parse("g=rlhf.algorithm=grpo,rlhf.lr=1e-4") == Variant("g", ("rlhf.algorithm=grpo", "rlhf.lr=1e-4"))
+    with pytest.raises(ValueError, match="empty name"):
+        Variant.parse("=rlhf.lr=1")
+
+
+def test_summary_mean_spread_by_hand():
+    assert mean_spread([70.0, 80.0, 90.0]) == (80.0, 10.0, 70.0, 90.0)  # sample std: sqrt(200 / 2)
+    rows = [{"variant": "a", "seed": s, "rc": 0, "accuracy": acc, "sft_accuracy": 0.5, "accuracy_gain": acc - 0.5,
+             "kl_to_reference": 0.2, "train_time_s": 10.0} for s, acc in ((1, 0.7), (2, 0.8), (3, 0.9))]
+    rows.append({"variant": "b", "seed": 1, "rc": 1})
+    a, b = summarise(rows)
+    assert a["runs"] == 3 and a["acc_mean"] == pytest.approx(80.0) and a["acc_std"] == pytest.approx(10.0)
+    assert a["accuracy_gain"] == pytest.approx(30.0) and a["acc_by_seed"] == [70.0, 80.0, 90.0]
+    assert b == {"variant": "b", "runs": 0, "failed": 1}
+    table = render([a, b])
+    assert "| a | 3 | 80.0 ± 10.0 (70.0-90.0) | 70.0 / 80.0 / 90.0 | 30.0 |" in table and "| b | 0 (1 failed)" in table
+
+
+@pytest.mark.slow
+def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    from rlhf_core.rlhf.learning import main
+    from rlhf_core.stages.prepare import prepare
+    from rlhf_core.trainers.rm import train_rm
+    from rlhf_core.trainers.sft import train_sft
+
+    base = tmp_path / "base"
+    base.mkdir()
+    monkeypatch.chdir(base)
+    params = make_params(*TINY)
+    prepare(params)
+    train_sft(params, base)
+    train_rm(params, base)
+    (base / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    out = tmp_path / "runs"
+    main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "--jobs", "2",
+          "ours=rlhf.algorithm=grpo", "trl"])
+    rows = {r["variant"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    for name in ("ours", "trl"):
+        assert rows[name]["rc"] == 0, (out / f"{name}-s1" / "run.log").read_text()[-3000:]
+        assert 0.0 <= rows[name]["accuracy"] <= 1.0 and rows[name]["kl_to_reference"] >= 0.0
+        assert rows[name]["sft_accuracy"] == rows["ours"]["sft_accuracy"]  # one evaluator, one SFT start
+        assert rows[name]["sft_proxy_reward"] == pytest.approx(rows["ours"]["sft_proxy_reward"], abs=1e-4)
+    trl_metrics = json.loads((out / "trl-s1" / "metrics" / "rlhf.json").read_text())
+    assert trl_metrics["framework"].startswith("trl ") and trl_metrics["optimizer_steps"] == 2 * 2  # 16 rows / 8
+    main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "ours=rlhf.algorithm=grpo", "trl"])
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2  # finished pairs are not re-run
