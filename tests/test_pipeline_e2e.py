@@ -95,6 +95,13 @@ def test_runs_metrics_versions_aliases_lineage(pipeline):
     assert inputs[0].dataset.digest == sft.data.tags["rlhf.dvc.data_prepared"][:len(inputs[0].dataset.digest)]
     artifacts = {a.path for a in client.list_artifacts(sft.info.run_id, "plots")}
     assert "plots/sft_loss.png" in artifacts
+    # per-prompt evidence: sampled RL responses with proxy reward and judge score, and the evaluation's answers
+    samples = {a.path for a in client.list_artifacts(children["rlhf"].info.run_id, "rlhf_samples")}
+    assert {"rlhf_samples/step_00001.json", "rlhf_samples/step_00002.json"} <= samples
+    table = mlflow.load_table("rlhf_samples/step_00002.json", run_ids=[children["rlhf"].info.run_id])
+    assert {"prompt", "response", "proxy", "judge"} <= set(table.columns) and len(table) > 0
+    answers = mlflow.load_table("eval_answers.json", run_ids=[children["evaluate"].info.run_id])
+    assert len(answers) == 16 and {"candidate_response", "candidate_proxy", "candidate_judge"} <= set(answers.columns)
 
     actor = client.get_model_version_by_alias("rlhf-demo-actor", "champion")
     assert actor.version == "1"
