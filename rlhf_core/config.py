@@ -224,7 +224,7 @@ class PPOConfig(_Section):
         "none", description="`group_mean`: subtract the mean score of the prompt's samples before the KL penalty "
                             "and GAE (needs samples_per_prompt >= 2). A pairwise (Bradley-Terry) RM's score is "
                             "defined only up to a per-prompt constant; centring removes it, so advantages carry "
-                            "only what the RM can tell apart. (RLOO uses its own leave-one-out baseline.)")
+                            "only what the RM can tell apart. (RLOO has its own leave-one-out baseline.)")
 
 
 class GRPOConfig(_Section):
@@ -269,7 +269,9 @@ class RLHFConfig(OptimConfig):
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="PPO KL coefficient control.")
     kl_target: float = Field(6.0, gt=0.0, description="Adaptive controller: target KL (nats per sequence).")
     kl_horizon: int = Field(10000, ge=1, description="Adaptive controller horizon (samples).")
-    reward_clip: float | None = Field(5.0, gt=0.0, description="Scores are clamped to [-clip, clip]; null: off.")
+    reward_clip: float | None = Field(5.0, gt=0.0, description="PPO: scores are clamped to [-clip, clip] in the "
+                                                                "token rewards; null: off. (GRPO normalises "
+                                                                "scores within groups instead.)")
     whiten_advantages: bool = Field(True, description="PPO: normalise advantages over the experience buffer.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight in the actor loss.")
     ptx_coef: float = Field(0.5, ge=0.0, description="Weight of an SFT (pretraining-mix) loss on sft.parquet.")

@@ -66,5 +66,9 @@ def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
         assert rows[name]["sft_proxy_reward"] == pytest.approx(rows["ours"]["sft_proxy_reward"], abs=1e-4)
     trl_metrics = json.loads((out / "trl-s1" / "metrics" / "rlhf.json").read_text())
     assert trl_metrics["framework"].startswith("trl ") and trl_metrics["optimizer_steps"] == 2 * 2  # 16 rows / 8
-    main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "ours=rlhf.algorithm=grpo", "trl"])
-    assert len((out / "results.jsonl").read_text().splitlines()) == 2  # finished pairs are not re-run
+    main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "ours=rlhf.algorithm=grpo", "trl",
+          "trl_ptx=rlhf.ptx_coef=0.5"])
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == 3  # finished pairs are not re-run; the new variant runs
+    assert lines[2]["variant"] == "trl_ptx" and lines[2]["rc"] != 0  # not like for like: refused
+    assert "no equivalent of: rlhf.ptx_coef" in (out / "trl_ptx-s1" / "run.log").read_text()

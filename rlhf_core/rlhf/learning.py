@@ -8,7 +8,7 @@ the RM), so all variants start from the identical SFT model, prompts and budget.
 time, interleaved across variants (on a shared machine a variant does not get the quiet slot).
 
 ``variant`` is ``NAME=KEY=VALUE[,KEY=VALUE...]`` (the overrides of ``rlhf stage -S``); ``NAME`` alone is the
-base params. ``trl`` as the NAME runs TRL's ``GRPOTrainer`` on the same budget instead
+base params. A NAME starting with ``trl`` runs TRL's ``GRPOTrainer`` on the same budget instead
 (``rlhf_core.rlhf.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
 run, appended as runs finish; a re-run skips the pairs already there) and the summary table to stdout.
 
@@ -69,7 +69,7 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
     link_workspace(base, run_dir)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}  # each run is its own world of one
     env |= {"RLHF_TRACKING": "off", "OMP_NUM_THREADS": str(threads)}
-    if variant.name == "trl":
+    if variant.name.startswith("trl"):
         cmd = [sys.executable, "-m", "rlhf_core.rlhf.trl_grpo", "--seed", str(seed), "--threads", str(threads),
                *[a for o in (*extra, *variant.overrides) for a in ("-S", o)]]
     else:

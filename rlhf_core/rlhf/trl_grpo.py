@@ -9,12 +9,14 @@ The same inputs and budget as ``rlhf stage rlhf`` with ``rlhf.algorithm: grpo`` 
 * model: ``models/sft`` (actor; TRL builds its own frozen reference from it when ``beta > 0``);
 * prompts: ``prompts.parquet``, tokenised by TRL's ``processing_class`` (the same tokenizer);
 * reward: ``rlhf.reward_fns`` through our ``RewardSources`` (the RM, the checker, or both);
-* per iteration ``prompts_per_step x G`` completions (``generation_batch_size``), split into
-  ``ceil(rows / micro_batch_size)`` optimizer steps of ``micro_batch_size`` rows (``steps_per_generation``),
-  ``num_steps`` iterations; ``lr`` constant, ``beta = grpo.beta`` (TRL: k3 in the loss), ``epsilon =
-  grpo.clip_eps``, ``scale_rewards = grpo.scale``, temperature, top-p, top-k off, ``max_new_tokens``;
-  TRL's default ``loss_type="dapo"`` (token-level mean, like ours); no ptx (TRL has none: compare with
-  ``rlhf.ptx_coef: 0``).
+* per iteration ``prompts_per_step x G`` completions (one generation batch), split into ``rows / (micro_batch_size
+  x grad_accum)`` optimizer steps (``steps_per_generation`` micro-batches, ``gradient_accumulation_steps``),
+  ``ppo_epochs`` passes (``num_iterations``), ``num_steps`` iterations; ``lr`` and its schedule, AdamW betas
+  (0.9, 0.95) and eps as our DeepSpeed config, grad clip, gradient checkpointing as ``compute``;
+  ``beta = grpo.beta`` (TRL: k3 in the loss), ``epsilon = grpo.clip_eps``, ``scale_rewards = grpo.scale``,
+  temperature, top-p, top-k off, ``max_new_tokens``; TRL's default ``loss_type="dapo"`` (token-level mean, like
+  ours). What TRL has no equivalent of (ptx, entropy bonus, no-EOS penalty, another KL estimator, batches that
+  do not divide the rows) is refused, so a comparison is always like for like.
 
 The trained policy is scored by ``trainer.heldout_eval`` (greedy held-out accuracy, proxy reward, exact KL to
 the SFT model) and ``metrics/rlhf.json`` is written with the keys ``learning`` reads, so both frameworks are
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -66,7 +67,16 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     reward_fn.__name__ = "+".join(cfg.reward_fns)
     group = cfg.grpo.group_size
     rows = cfg.prompts_per_step * group
-    steps_per_generation = math.ceil(rows / cfg.micro_batch_size)
+    per_step = cfg.micro_batch_size * cfg.grad_accum
+    unmapped = {"rlhf.ptx_coef": cfg.ptx_coef > 0, "rlhf.entropy_coef": cfg.entropy_coef > 0,
+                "rlhf.no_eos_penalty": cfg.no_eos_penalty is not None,
+                "rlhf.grpo.kl_estimator": cfg.grpo.kl_estimator != "k3",
+                f"rlhf.micro_batch_size x grad_accum ({per_step}) must divide the {rows} rows": rows % per_step}
+    bad = [k for k, v in unmapped.items() if v]
+    if bad:
+        raise ValueError(f"TRL's GRPOTrainer has no equivalent of: {', '.join(bad)}; set them to their defaults "
+                         "on both sides of the comparison")
+    n_mini = rows // per_step  # optimizer steps per generation batch, as ours
     model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL)
     ref = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL).eval()
     sft_eval = heldout_eval(model, None, tok, held, reward, params.eval, "cpu")
@@ -82,10 +92,12 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
 
     args = GRPOConfig(
         output_dir=str(root / "trl"), use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no",
-        logging_steps=steps_per_generation * cfg.log_every, max_steps=cfg.num_steps * steps_per_generation,
-        learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.weight_decay,
-        max_grad_norm=params.compute.grad_clip, per_device_train_batch_size=cfg.micro_batch_size,
-        gradient_accumulation_steps=1, steps_per_generation=steps_per_generation, num_generations=group,
+        logging_steps=n_mini * cfg.log_every, max_steps=cfg.num_steps * n_mini * cfg.ppo_epochs,
+        learning_rate=cfg.lr, lr_scheduler_type=cfg.lr_scheduler, warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,  # ours (ds_config)
+        max_grad_norm=params.compute.grad_clip, gradient_checkpointing=params.compute.gradient_checkpointing,
+        per_device_train_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
+        steps_per_generation=n_mini * cfg.grad_accum, num_generations=group,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
         beta=cfg.grpo.beta, epsilon=cfg.grpo.clip_eps, num_iterations=cfg.ppo_epochs,
         scale_rewards={"group": "group", "batch": "batch", "none": "none"}[cfg.grpo.scale],
