@@ -308,3 +308,13 @@ def test_ppo_step_with_two_processes_under_torchrun(ws):
     metrics = json.loads((ws / "metrics/rlhf.json").read_text())
     assert metrics["world_size"] == 2 and metrics["steps"] == 1 and metrics["rows_total"] == 4
     assert (ws / "models/actor/model.safetensors").exists() and (ws / "models/critic/value_head.safetensors").exists()
+
+
+def test_hacking_flag_is_proxy_up_and_judge_down():
+    from rlhf_core.rlhf.trainer import hacking_suspected
+
+    sft = {"proxy_reward": 1.96, "accuracy": 0.57}
+    assert hacking_suspected(sft, {"proxy_reward": 7.88, "accuracy": 0.03}) is True  # measured: GRPO, RM, no ptx
+    assert hacking_suspected(sft, {"proxy_reward": 3.45, "accuracy": 0.83}) is False  # both up: learning
+    assert hacking_suspected(sft, {"proxy_reward": 1.5, "accuracy": 0.5}) is False  # both down: just worse
+    assert hacking_suspected({}, {"proxy_reward": 1.0, "accuracy": 0.5}) is None

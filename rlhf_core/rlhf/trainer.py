@@ -604,6 +604,7 @@ class RLHFTrainer:
             "sft_accuracy": sft_eval.get("accuracy"), "accuracy": final.get("accuracy"),
             "accuracy_gain": (final["accuracy"] - sft_eval["accuracy"]) if "accuracy" in final and sft_eval else None,
             "proxy_reward": final.get("proxy_reward"), "sft_proxy_reward": sft_eval.get("proxy_reward"),
+            "reward_hacking_suspected": hacking_suspected(sft_eval, final) if self.has_answers else None,
             "kl_to_reference": final.get("kl_to_reference"), "kl_bound": self.params.gates.max_kl,
             "kl_within_bound": (final["kl_to_reference"] <= self.params.gates.max_kl) if final else None,
             "eos_share": final.get("eos_share"), "response_length": final.get("response_length"),
@@ -648,6 +649,13 @@ class RLHFTrainer:
             save_causal_lm(model, tmp, merge_lora=self.params.compute.lora.merge_on_save)
             self.tokenizer.save_pretrained(tmp)
             write_meta(tmp, meta)
+
+
+def hacking_suspected(before: dict, after: dict) -> bool | None:
+    """The proxy (training reward) rose on the held-out answers while the judge's accuracy fell."""
+    if not before or not after:
+        return None
+    return after["proxy_reward"] > before["proxy_reward"] and after["accuracy"] < before["accuracy"]
 
 
 @dataclass
