@@ -199,6 +199,11 @@ class RMConfig(OptimConfig):
     lr: float = Field(1e-3, gt=0.0)
     epochs: int = Field(16, ge=1)
     save_every: int = Field(200, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
+    judge: bool = Field(
+        False, description="Also train a judge reward model, same settings, on the held-out pairs (`eval_pairs`, "
+                           "never seen by the proxy RM) into `models/judge`; its held-out accuracy is measured on "
+                           "the proxy's training pairs. The evaluate stage's judge when prompts carry no answers "
+                           "(`eval.judge: auto|model`). Off: `models/judge` holds only its meta file.")
 
 
 class PPOConfig(_Section):
@@ -324,7 +329,8 @@ class EvalConfig(_Section):
                             "`eval.judge_model`, trained on pairs the proxy never saw), `auto` (checker when "
                             "answers exist, else the judge model when set, else none), `none`.")
     judge_model: str | None = Field(
-        None, description="Judge reward model directory (relative to the workspace), for `judge: model|auto`.")
+        None, description="Judge reward model directory (relative to the workspace), for `judge: model|auto`; "
+                          "null: `models/judge` when `rm.judge` trained one.")
     table_every: int = Field(
         20, ge=0, description="RLHF: log a table of sampled prompts, responses, proxy reward and judge score "
                               "to MLflow every N iterations (and the last); 0: off.")

@@ -13,6 +13,7 @@ MANIFEST = PREPARED / "manifest.json"
 BASE_MODEL = Path("models/base")  # tokenizer (+ tiny config for the demo) written by prepare
 SFT_MODEL = Path("models/sft")
 RM_MODEL = Path("models/rm")
+JUDGE_MODEL = Path("models/judge")  # a reward model trained on the held-out pairs (rm.judge): the gate's judge
 ACTOR_MODEL = Path("models/actor")
 CRITIC_MODEL = Path("models/critic")
 CHECKPOINTS = Path("checkpoints")  # resumable training state per stage

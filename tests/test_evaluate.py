@@ -113,20 +113,22 @@ def test_judge_model_scores_when_prompts_have_no_checker(prepared, workspace):
 
     _tiny_lm(workspace / "models/base", workspace / "models/actor", seed=1)
     torch.manual_seed(5)
-    judge_dir = workspace / "models/judge"
+    judge_dir = workspace / "judges/gold"
     ValueHeadModel(AutoModel.from_config(AutoConfig.from_pretrained(workspace / "models/base"))).save_pretrained(
         judge_dir)
     AutoTokenizer.from_pretrained(workspace / "models/base").save_pretrained(judge_dir)
     params = prepared.model_copy(update={"eval": prepared.eval.model_copy(
-        update={"judge": "model", "judge_model": "models/judge"})})
+        update={"judge": "model", "judge_model": "judges/gold"})})
     report = evaluate(params, workspace)
     table = json.loads((workspace / "reports/eval_answers.json").read_text())
     expected = load_reward_model(judge_dir).score_responses(table["prompt"], table["candidate_response"])
-    assert report["judge_source"] == "model:models/judge"
+    assert report["judge_source"] == "model:judges/gold"
     assert report["candidate"]["judge_mean"] == pytest.approx(float(expected.mean()), abs=1e-4)
     bad = params.model_copy(update={"eval": params.eval.model_copy(update={"judge_model": "models/nope"})})
     with pytest.raises(ValueError, match=r"eval.judge_model: .*models/nope holds no reward model"):
         evaluate(bad, workspace)
     none = params.model_copy(update={"eval": params.eval.model_copy(update={"judge_model": None})})
-    with pytest.raises(ValueError, match=r"eval.judge: model needs eval.judge_model"):
+    with pytest.raises(ValueError, match=r"eval.judge: model needs eval.judge_model .* or a judge trained"):
         evaluate(none, workspace)
+    shutil.copytree(judge_dir, workspace / "models/judge")  # trained by the rm stage (rm.judge): found by default
+    assert evaluate(none, workspace)["judge_source"] == "model:models/judge"

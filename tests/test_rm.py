@@ -109,3 +109,31 @@ def test_rm_empty_split_is_an_error_naming_the_file(ws):
     pq.write_table(pq.read_table(path).slice(0, 0), path)
     with pytest.raises(DataError, match=r"data/prepared/eval_pairs.parquet: empty split \(0 rows\)"):
         train_rm(tiny_params(), ws)
+
+
+def test_judge_rm_trains_on_the_pairs_the_proxy_never_saw(ws):
+    """rm.judge: a second RM on eval_pairs, evaluated on the proxy's training pairs, into models/judge; it
+    learns (held-out accuracy up), and the evaluate stage picks it as the judge when prompts have no checker.
+    Off, models/judge holds only its meta file (a DVC output either way)."""
+    from rlhf_core.trainers.rm import train_rm
+
+    proxy = train_rm(tiny_params("rm.epochs=1", "rm.max_steps=2"), ws)
+    assert json.loads((ws / "models/judge/rlhf_meta.json").read_text())["reason"] == "rm.judge is off"
+    assert not (ws / "models/judge/config.json").exists()
+    logged = []
+    train_rm(tiny_params("rm.epochs=12", "rm.max_steps=10", "rm.judge=true"), ws,
+             lambda metrics, step: logged.append(metrics))
+    judge = json.loads((ws / "metrics/rm_judge.json").read_text())
+    assert judge["n_train"] == proxy["n_eval"] and judge["n_eval"] == proxy["n_train"]  # the splits swapped
+    assert judge["accuracy"] > judge["accuracy_before"], judge
+    meta = json.loads((ws / "models/judge/rlhf_meta.json").read_text())
+    assert meta["role"] == "judge" and meta["trained_on"] == "data/prepared/eval_pairs.parquet"
+    assert (ws / "models/judge/value_head.safetensors").exists() and (ws / "plots/rm_judge_accuracy.csv").exists()
+    assert any("judge.accuracy" in m for m in logged) and any("accuracy" in m and "judge.accuracy" not in m
+                                                               for m in logged)
+
+    from rlhf_core.stages.evaluate import Judge
+
+    judge_fn = Judge("auto", None, None, ws)  # no answers: the judge RM
+    assert judge_fn.source == "model:models/judge"
+    assert judge_fn(["Human: What is 1 + 2?\n\nAssistant:"], [" 3"]).shape == (1,)

@@ -110,12 +110,15 @@ class Judge:
 
     def __init__(self, kind: str, answers: list | None, judge_model: str | None, root: Path):
         self.answers, self.rm, self.source = answers, None, None
+        if judge_model is None and (root / paths.JUDGE_MODEL / "config.json").exists():
+            judge_model = str(paths.JUDGE_MODEL)  # trained by the rm stage (rm.judge)
         model_dir = (root / judge_model) if judge_model else None
         if kind == "checker" and answers is None:
             raise ValueError("eval.judge: checker needs an `answer` for every held-out prompt "
                              f"({paths.prepared_file('prompts', eval_split=True)})")
         if kind == "model" and model_dir is None:
-            raise ValueError("eval.judge: model needs eval.judge_model (a reward model directory)")
+            raise ValueError("eval.judge: model needs eval.judge_model (a reward model directory) or a judge "
+                             "trained by the rm stage (rm.judge: true)")
         if kind in ("checker", "auto") and answers is not None:
             self.source = "checker"
         elif kind in ("model", "auto") and model_dir is not None:

@@ -5,11 +5,17 @@ Chosen and rejected rows (``prompt + response + EOS``) go through the model in o
 non-pad token; ``rm.loss: divergence``: DeepSpeed-Chat's per-token variant after the first differing token.
 Evaluation on ``eval_pairs`` before and after: pairwise accuracy, mean chosen / rejected score, margin.
 Outputs: ``models/rm/``, ``metrics/rm.json``, ``plots/rm_accuracy.csv``; checkpoints in ``checkpoints/rm/``.
+
+With ``rm.judge`` the same trainer then fits a **judge** RM with the roles of the splits swapped: trained on
+``eval_pairs`` (which the proxy RM never sees), evaluated on ``pairs`` (which the judge never sees), into
+``models/judge/`` (``metrics/rm_judge.json``, ``plots/rm_judge_accuracy.csv``, ``checkpoints/rm_judge/``; its
+logged metrics are prefixed ``judge.``). Off, ``models/judge`` holds only its meta file (a DVC output).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -91,20 +97,53 @@ def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, marg
             "margin_mean": float(sums[3]) / n, "eval_loss": float(sums[4]) / n}
 
 
+@dataclass(frozen=True)
+class RMRole:
+    """Which split trains and which judges a reward model, and where it goes."""
+
+    stage: str  # names the checkpoints, metrics and plot files
+    model_dir: Path
+    trains_on_eval_split: bool
+
+
+PROXY = RMRole(STAGE, paths.RM_MODEL, False)
+JUDGE = RMRole(f"{STAGE}_judge", paths.JUDGE_MODEL, True)
+
+
 def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, hooks: Hooks | None = None) -> dict:
-    """Run reward-model training under ``root``; returns the stage metrics (also ``metrics/rm.json``)."""
+    """Run reward-model training under ``root`` (and the judge with ``rm.judge``); returns the proxy RM's metrics
+    (also ``metrics/rm.json``; the judge's are in ``metrics/rm_judge.json``)."""
+    metrics = fit_reward_model(params, Path(root), PROXY, log, hooks)
+    if params.rm.judge:
+        judge_log = None if log is None else (lambda m, step: log({f"judge.{k}": v for k, v in m.items()}, step))
+        fit_reward_model(params, Path(root), JUDGE, judge_log, hooks)
+    elif D.is_main():
+        import shutil
+
+        from rlhf_core.meta import write_meta
+
+        shutil.rmtree(Path(root) / paths.JUDGE_MODEL, ignore_errors=True)
+        write_meta(Path(root) / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
+                                                     "reason": "rm.judge is off"})
+    return metrics
+
+
+def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None = None,
+                     hooks: Hooks | None = None) -> dict:
+    """Train one reward model on ``role``'s split and evaluate it on the other."""
     t_start = time.perf_counter()
-    root = Path(root)
     cfg, compute = params.rm, params.compute
     D.init_distributed()
     threads = D.set_num_threads(compute.num_threads)
     tokenizer = load_training_tokenizer(root, params)
     max_length = default_max_length(params, cfg.max_length)
 
-    train = read_split(root, "pairs", columns=PAIR_COLUMNS)
-    evals = read_split(root, "pairs", eval_split=True, columns=PAIR_COLUMNS)
-    data = encode_pairs(tokenizer, train, max_length, str(paths.prepared_file("pairs")))
-    eval_data = encode_pairs(tokenizer, evals, max_length, str(paths.prepared_file("pairs", True)))
+    train_file, eval_file = (paths.prepared_file("pairs", role.trains_on_eval_split),
+                             paths.prepared_file("pairs", not role.trains_on_eval_split))
+    train = read_split(root, "pairs", eval_split=role.trains_on_eval_split, columns=PAIR_COLUMNS)
+    evals = read_split(root, "pairs", eval_split=not role.trains_on_eval_split, columns=PAIR_COLUMNS)
+    data = encode_pairs(tokenizer, train, max_length, str(train_file))
+    eval_data = encode_pairs(tokenizer, evals, max_length, str(eval_file))
 
     init_source = str(paths.SFT_MODEL) if cfg.init_from == "sft" else base_model_source(params, root)
     plan, engine = build_engine(params, cfg, "rm.max_length", len(data),
@@ -115,7 +154,7 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     init_ref = paths.SFT_MODEL if cfg.init_from == "sft" else (
         params.model.name_or_path or paths.BASE_MODEL)
     inputs = input_hashes(root, files, {"init_model": init_ref})
-    ckpt = checkpoints_for(root, params, STAGE, cfg, inputs)
+    ckpt = checkpoints_for(root, params, role.stage, cfg, inputs)
     pad_id = tokenizer.pad_token_id
     bs = params.eval.batch_size
     state, resumed_from = resume_or_start(
@@ -140,7 +179,8 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
         **run_metrics(state, resumed_from, engine, params, max_length),
     }
     meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,
-                      score="value at the last non-pad token")
-    return finish_stage(root, STAGE, engine, root / paths.RM_MODEL,
+                      score="value at the last non-pad token", role="judge" if role is JUDGE else "proxy",
+                      trained_on=str(train_file))
+    return finish_stage(root, role.stage, engine, root / role.model_dir,
                         lambda m, d: save_value_model(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta,
-                        metrics, ("rm_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log)
+                        metrics, (f"{role.stage}_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log)
