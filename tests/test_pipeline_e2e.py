@@ -98,10 +98,16 @@ def test_runs_metrics_versions_aliases_lineage(pipeline):
     # per-prompt evidence: sampled RL responses with proxy reward and judge score, and the evaluation's answers
     samples = {a.path for a in client.list_artifacts(children["rlhf"].info.run_id, "rlhf_samples")}
     assert {"rlhf_samples/step_00001.json", "rlhf_samples/step_00002.json"} <= samples
-    table = mlflow.load_table("rlhf_samples/step_00002.json", run_ids=[children["rlhf"].info.run_id])
-    assert {"prompt", "response", "proxy", "judge"} <= set(table.columns) and len(table) > 0
-    answers = mlflow.load_table("eval_answers.json", run_ids=[children["evaluate"].info.run_id])
-    assert len(answers) == 16 and {"candidate_response", "candidate_proxy", "candidate_judge"} <= set(answers.columns)
+    def table(run, path):  # what mlflow.load_table reads (that searches the active experiment; none is set here)
+        tags = json.loads(run.data.tags["mlflow.loggedArtifacts"])
+        assert {"path": path, "type": "table"} in tags
+        return json.loads(Path(client.download_artifacts(run.info.run_id, path)).read_text())
+
+    samples_table = table(client.get_run(children["rlhf"].info.run_id), "rlhf_samples/step_00002.json")
+    assert {"prompt", "response", "proxy", "judge"} <= set(samples_table["columns"]) and samples_table["data"]
+    answers = table(client.get_run(children["evaluate"].info.run_id), "eval_answers.json")
+    assert len(answers["data"]) == 16
+    assert {"candidate_response", "candidate_proxy", "candidate_judge"} <= set(answers["columns"])
 
     actor = client.get_model_version_by_alias("rlhf-demo-actor", "champion")
     assert actor.version == "1"
