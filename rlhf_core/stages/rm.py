@@ -2,7 +2,8 @@
 
 Reads ``data/prepared/{pairs,eval_pairs}.parquet``, ``models/base`` and (``rm.init_from: sft``)
 ``models/sft``; writes ``models/rm``, ``metrics/rm.json``, ``plots/rm_accuracy.csv``; checkpoints in
-``checkpoints/rm``; ``models/judge`` (a judge RM on the held-out pairs with ``rm.judge``, else its meta only).  Runs in one process, or N under ``torchrun``.
+``checkpoints/rm``; ``models/judge`` (a judge RM on the held-out pairs with ``rm.judge``, else its meta only).
+Runs in one process, or N under ``torchrun``.
 """
 
 from __future__ import annotations
