@@ -78,6 +78,15 @@ def write_meta(out_dir: str | Path, meta: dict) -> None:
     write_json_atomic(Path(out_dir) / META_FILE, meta)
 
 
+def write_meta_only(out_dir: str | Path, meta: dict) -> None:
+    """Replace ``out_dir`` with a directory holding only ``rlhf_meta.json``: a DVC output whose model this run
+    does not train (GRPO's critic, the judge RM when off), so no stale model of an earlier run survives in it."""
+    import shutil
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    write_meta(out_dir, meta)
+
+
 def read_meta(out_dir: str | Path) -> dict:
     path = Path(out_dir) / META_FILE
     return json.loads(path.read_text()) if path.exists() else {}

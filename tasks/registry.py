@@ -162,8 +162,7 @@ def record_gate(name: str, version: str, gate: dict) -> None:
     """Tag a version with the gate outcome and, when it failed, the failing gates and their values."""
     client = _client()
     client.set_model_version_tag(name, version, "rlhf.gate", "passed" if gate["passed"] else "failed")
-    failing = [f"{c['name']}={c['value']} (needs {c['op']} {c['threshold']}" + (f"; {c['note']})" if c.get("note")
-                                                                              else ")")
+    failing = [f"{c['name']}={c['value']} (needs {c['op']} {c['threshold']}{'; ' + c['note'] if c.get('note') else ''})"
                for c in gate["checks"] if not c["passed"]]
     if failing:
         client.set_model_version_tag(name, version, "rlhf.gate.failing", "; ".join(failing))

@@ -95,14 +95,11 @@ def _concat_rows(a: Ragged, b: Ragged, max_length: int) -> tuple[Ragged, torch.T
 
 
 # --------------------------------------------------------------------------- tokenisation
-def _adds_eos(tokenizer) -> bool:
+def _added_special_tokens(tokenizer) -> tuple[bool, bool]:
+    """Whether the tokenizer adds a BOS in front and an EOS at the end of a text (one probe)."""
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return bool(ids) and ids[-1] == tokenizer.eos_token_id
-
-
-def _adds_bos(tokenizer) -> bool:
-    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
+    bos = tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
+    return bos, bool(ids) and ids[-1] == tokenizer.eos_token_id
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int | None = None) -> Ragged:
@@ -111,9 +108,10 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int | None = None
     the prompt text is cut to its last ``max_len`` tokens and the BOS kept in front (``keep_last_tokens``), so
     a prompt that prepare cut to ``max_len`` tokens is encoded exactly as in SFT training."""
     ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-    if _adds_eos(tokenizer):
+    adds_bos, adds_eos = _added_special_tokens(tokenizer)
+    if adds_eos:
         ids = [r[:-1] if r and r[-1] == tokenizer.eos_token_id else r for r in ids]
-    bos = tokenizer.bos_token_id if _adds_bos(tokenizer) else None
+    bos = tokenizer.bos_token_id if adds_bos else None
     if bos is not None:
         ids = [r[1:] if len(r) > 1 and r[0] == r[1] == bos else r for r in ids]
     rows = Ragged.from_lists(ids)

@@ -579,15 +579,10 @@ class RLHFTrainer:
             save_final(self.critic, root / paths.CRITIC_MODEL, lambda m, d: save_value_model(m, d, merge_lora=merge),
                        self.tokenizer, {**meta, "role": "critic"})
         elif D.is_main():
-            # DVC declares models/critic as an output: without a critic it holds only rlhf_meta.json (no stale
-            # critic of an earlier PPO run survives to be registered next to this actor)
-            import shutil
+            from rlhf_core.meta import write_meta_only
 
-            from rlhf_core.meta import write_meta
-
-            shutil.rmtree(root / paths.CRITIC_MODEL, ignore_errors=True)
-            write_meta(root / paths.CRITIC_MODEL, {**meta, "role": "critic", "critic": None,
-                                                   "reason": f"{cfg.algorithm} trains no critic"})
+            write_meta_only(root / paths.CRITIC_MODEL, {**meta, "role": "critic", "critic": None,
+                                                        "reason": f"{cfg.algorithm} trains no critic"})
         if ema_model is not None and D.is_main():
             self._save_plain(ema_model, root / ACTOR_EMA_MODEL, {**meta, "role": "actor_ema",
                                                                  "ema_decay": cfg.ema_decay})

@@ -118,13 +118,10 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
         judge_log = None if log is None else (lambda m, step: log({f"judge.{k}": v for k, v in m.items()}, step))
         fit_reward_model(params, Path(root), JUDGE, judge_log, hooks)
     elif D.is_main():
-        import shutil
+        from rlhf_core.meta import write_meta_only
 
-        from rlhf_core.meta import write_meta
-
-        shutil.rmtree(Path(root) / paths.JUDGE_MODEL, ignore_errors=True)
-        write_meta(Path(root) / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
-                                                     "reason": "rm.judge is off"})
+        write_meta_only(Path(root) / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
+                                                         "reason": "rm.judge is off"})
     return metrics
 
 
