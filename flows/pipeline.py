@@ -21,22 +21,22 @@ from prefect.tasks import exponential_backoff
 
 from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
+from rlhf_core.stages import STAGE_NAMES, STAGE_TIMEOUT_S
 from tasks.gates import evaluation_gate
 from tasks.registry import CHAMPION, alias_version, promote_task, record_gate, register_models
-from tasks.stages import STAGE_ORDER, run_stage
+from tasks.stages import run_stage
 
 EVAL_REPORT = paths.REPORTS / "eval.json"
 # a stage task may run as long as its Job's activeDeadlineSeconds on a cluster; locally 4 h
-STAGE_TIMEOUT_S = {"local": 4 * 3600, "kubernetes": 72 * 3600}
 MODEL_DIRS = {"actor": paths.ACTOR_MODEL, "critic": paths.CRITIC_MODEL, "reward": paths.RM_MODEL}
 
 
 def pipeline_stages(root: Path) -> list[str]:
     """The stages ``dvc.yaml`` defines, in pipeline order (all of them where there is no dvc.yaml, e.g. on k8s)."""
     if not (root / "dvc.yaml").exists():
-        return list(STAGE_ORDER)
+        return list(STAGE_NAMES)
     defined = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
-    return [s for s in STAGE_ORDER if s in defined]
+    return [s for s in STAGE_NAMES if s in defined]
 
 
 def champion_changed(root: Path, champion_uri: str | None) -> bool:
@@ -89,9 +89,9 @@ def rlhf_pipeline(
     experiment_id = tracking.setup(params, root_path)  # fails fast when MLflow is unreachable
     prefix = tracking.registry_prefix(params)
     wanted = [s for s in (stages or pipeline_stages(root_path))]
-    unknown = sorted(set(wanted) - set(STAGE_ORDER))
+    unknown = sorted(set(wanted) - set(STAGE_NAMES))
     if unknown:
-        raise ValueError(f"unknown stages {unknown}; expected a subset of {list(STAGE_ORDER)}")
+        raise ValueError(f"unknown stages {unknown}; expected a subset of {list(STAGE_NAMES)}")
 
     summary: dict = {"stages": [], "registered": {}, "gate": None, "promoted": False,
                      "tracking_uri": mlflow.get_tracking_uri(), "experiment_id": experiment_id}
@@ -105,7 +105,7 @@ def rlhf_pipeline(
             env[tracking.ENV_CHAMPION] = f"models:/{prefix}-actor/{champion}"
         stage_task = run_stage.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_s),
                                             timeout_seconds=STAGE_TIMEOUT_S[backend])
-        for stage in STAGE_ORDER:
+        for stage in STAGE_NAMES:
             if stage in wanted:
                 rerun = force or (stage == "evaluate" and champion_changed(root_path, env.get(tracking.ENV_CHAMPION)))
                 summary["stages"].append(stage_task(stage, root=str(root_path), backend=backend, env=env,

@@ -16,15 +16,7 @@ import typer
 from rich.console import Console
 
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
-
-# stage name -> "module:function" taking (params, root, log)
-STAGES: dict[str, str] = {
-    "prepare": "rlhf_core.stages.prepare:run",
-    "sft": "rlhf_core.stages.sft:run",
-    "rm": "rlhf_core.stages.rm:run",
-    "rlhf": "rlhf_core.stages.rlhf:run",
-    "evaluate": "rlhf_core.stages.evaluate:run",
-}
+from rlhf_core.stages import STAGES
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
                   no_args_is_help=True, pretty_exceptions_enable=False)

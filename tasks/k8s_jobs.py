@@ -36,10 +36,12 @@ from typing import Any
 
 import yaml
 
+from rlhf_core.stages import STAGE_NAMES, STAGE_TIMEOUT_S
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Names shared by the manifests, the work-pool template and the docs.
 # ---------------------------------------------------------------------------------------------------------------------
-STAGES: tuple[str, ...] = ("prepare", "sft", "rm", "rlhf", "evaluate")
+STAGES = STAGE_NAMES
 VERSION = "0.1.0"  # the project version; images are tagged <version>-gpu / <version>-cpu
 IMAGE_REPO = "ghcr.io/rlhf-ops/rlhf-ops"
 DEFAULT_GPU_IMAGE = f"{IMAGE_REPO}:{VERSION}-gpu"
@@ -700,7 +702,7 @@ def submit_stage_job(
     seed_params: bool = False,
     batch_api=None,
     core_api=None,
-    timeout_s: float = 72 * 3600,
+    timeout_s: float = STAGE_TIMEOUT_S["kubernetes"],
     poll_s: float = 10.0,
     delete_on_timeout: bool = True,
     log: Callable[[str], None] | None = None,

@@ -20,8 +20,8 @@ from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
 from rlhf_core.paths import METRICS
+from rlhf_core.stages import STAGE_TIMEOUT_S
 
-STAGE_ORDER = ("prepare", "sft", "rm", "rlhf", "evaluate")
 SKIP_MARKER = "didn't change, skipping"
 
 
@@ -65,7 +65,7 @@ def read_stage_metrics(stage: str, root: Path) -> dict:
 
 
 @task(name="stage", task_run_name="stage-{stage}", retries=2, retry_delay_seconds=exponential_backoff(10),
-      retry_jitter_factor=0.2, timeout_seconds=4 * 3600)
+      retry_jitter_factor=0.2, timeout_seconds=STAGE_TIMEOUT_S["local"])
 def run_stage(stage: str, root: str = ".", backend: str = "local", env: dict[str, str] | None = None,
               force: bool = False, k8s: dict | None = None) -> dict:
     """Run ``stage`` on ``backend``; returns ``{"stage", "status": ran|skipped, "seconds", "metrics"}``."""

@@ -69,11 +69,12 @@ def test_push_and_pull_against_local_remote(dvc_repo):
 
 def test_every_stage_declares_the_sections_it_logs_and_the_stage_command():
     """dvc.yaml must name each params section a stage reads (else a changed key would not re-run it)."""
+    from rlhf_core.stages import STAGE_NAMES
     from rlhf_core.tracking import STAGE_SECTIONS
 
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     produced = {o if isinstance(o, str) else next(iter(o)) for s in stages.values() for o in s["outs"]}
-    assert list(stages) == ["prepare", "sft", "rm", "rlhf", "evaluate"]
+    assert list(stages) == list(STAGE_NAMES) == ["prepare", "sft", "rm", "rlhf", "evaluate"]
     for name, stage in stages.items():
         assert stage["cmd"] == f"rlhf stage {name}"
         declared = {p.split(".")[0] for p in stage["params"] if "." not in p}

@@ -1,1 +1,20 @@
-"""Stage entry points: one function per ``rlhf stage NAME``; each reads params, writes its outputs."""
+"""The pipeline's stages, in order: the one list every caller (CLI, flow, Kubernetes Jobs) reads.
+
+Each entry maps ``rlhf stage NAME`` to the ``module:function`` taking ``(params, root, log)``;
+``dvc.yaml`` declares the same stages with their deps and outs (``tests/test_dvc_pipeline.py`` checks
+the two agree).
+"""
+
+from __future__ import annotations
+
+STAGES: dict[str, str] = {
+    "prepare": "rlhf_core.stages.prepare:run",
+    "sft": "rlhf_core.stages.sft:run",
+    "rm": "rlhf_core.stages.rm:run",
+    "rlhf": "rlhf_core.stages.rlhf:run",
+    "evaluate": "rlhf_core.stages.evaluate:run",
+}
+STAGE_NAMES: tuple[str, ...] = tuple(STAGES)
+
+# wall-clock bound of one stage attempt, per backend (a GPU Job may train for days)
+STAGE_TIMEOUT_S: dict[str, int] = {"local": 4 * 3600, "kubernetes": 72 * 3600}
