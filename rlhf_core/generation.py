@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.algos import logprobs_from_logits
+from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.data import collate
 
 
@@ -70,11 +70,6 @@ class Rollout(PromptResponseBatch):
         """Rows whose response ended with EOS (also when the EOS is the last generated token)."""
         last = (self.action_mask.sum(dim=1) - 1).clamp(min=0)
         return self.responses.gather(1, last[:, None]).squeeze(1) == self.eos_token_id
-
-    def select(self, keep: torch.Tensor) -> Rollout:
-        idx = keep.nonzero(as_tuple=True)[0]
-        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.responses[idx], self.action_mask[idx],
-                       [self.texts[i] for i in idx.tolist()], self.eos_token_id)
 
 
 def encode_prompts(tokenizer, prompts: list[str], max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,19 +148,32 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     return rollout(model, prompt_ids, prompt_mask, tokenizer, gen)
 
 
-def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                      return_entropy: bool = False):
-    """Log-probs of the last ``response_len`` tokens of ``sequences`` under ``model``: ``[B, R]``.
+def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Logits ``[B, R, V]`` that score the last ``R = response_len`` tokens of ``sequences``, divided by
+    ``temperature`` (the distribution that sampled them; TRL and OpenRLHF do the same).
 
-    Only the logits that score response tokens are computed (``logits_to_keep``): the logits at
-    position t score token t+1, so positions ``-R-1 .. -2`` score the response.
+    Only the ``R + 1`` last positions are computed (``logits_to_keep``): the logits at position ``t`` score
+    token ``t + 1``, so positions ``-R-1 .. -2`` score the response. Positions ignore left padding.
     """
     out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 logits_to_keep=response_len + 1, use_cache=False)
-    logits = out.logits[:, :-1, :].float()
+    logits = out.logits[:, :-1, :]
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                      temperature: float = 1.0, return_entropy: bool = False, entropy_grad: bool = False):
+    """Log-probs ``[B, R]`` of the last ``R`` tokens of ``sequences`` under ``model`` (``response_logits``):
+    the one log-prob pass of rollouts, training, the reference and tests.
+
+    ``return_entropy`` also gives the per-token entropy ``[B, R]`` (differentiable only with ``entropy_grad``;
+    otherwise computed without a graph, for logging).
+    """
+    logits = response_logits(model, sequences, attention_mask, response_len, temperature)
     logp = logprobs_from_logits(logits, sequences[:, -response_len:])
     if return_entropy:
-        from rlhf_core.algos import entropy_from_logits
-
-        return logp, entropy_from_logits(logits)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        return logp, entropy
     return logp

@@ -7,20 +7,31 @@ import pytest
 import torch
 
 from rlhf_core.algos import kl_estimate
+from rlhf_core.config import RLHFConfig
 from rlhf_core.generation import GenerationConfig
+from rlhf_core.generation import response_logprobs as sequence_logprobs
+from rlhf_core.rlhf.algorithms import algorithm_for, compute_advantages
 from rlhf_core.rlhf.experience import (
-    AdvantageConfig,
     Experience,
     ExperienceMaker,
     MakerConfig,
-    compute_advantages,
     minibatch_plan,
-    sequence_logprobs,
     sequence_values,
     zero_row,
 )
 
 EOS, PAD, V = 2, 0, 8
+
+
+def algo(name: str = "ppo", estimator: str = "gae", kl_in: str = "reward", kl_estimator: str = "k1",
+         reward_clip: float | None = None, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, n: int = 1,
+         score_baseline: str = "none"):
+    """The algorithm declaration for these settings (``rlhf_core.rlhf.algorithms``)."""
+    return algorithm_for(RLHFConfig(
+        algorithm=name, kl_estimator=kl_estimator, reward_clip=reward_clip, whiten_advantages=whiten,
+        grpo={"group_size": max(n, 2)},
+        ppo={"advantage_estimator": estimator, "kl_in": kl_in, "gamma": gamma, "lam": lam, "samples_per_prompt": n,
+             "score_baseline": score_baseline}))
 
 
 class ScriptedLM(torch.nn.Module):
@@ -74,7 +85,8 @@ PROMPT_MASK = torch.tensor([[0, 1, 1], [1, 1, 1]])
 def make(script, *, eos=EOS, pad=PAD, algorithm="ppo", n=1, penalty=None, scores=None, critic=True,
          prompts=PROMPTS, prompt_mask=PROMPT_MASK):
     actor, ref = ScriptedLM(bigram(0), script), ScriptedLM(bigram(1))
-    maker_cfg = MakerConfig(algorithm=algorithm, samples_per_prompt=n, gen=GenerationConfig(max_new_tokens=4),
+    maker_cfg = MakerConfig(baseline=algo(algorithm, n=n).baseline, samples_per_prompt=n,
+                            gen=GenerationConfig(max_new_tokens=4),
                             forward_batch_size=2, need_old_logp=True, need_ref=True, need_values=critic,
                             no_eos_penalty=penalty)
     given = scores
@@ -143,14 +155,14 @@ def test_pad_equal_to_eos_tokenizer():
 def test_rewards_at_last_valid_token_and_kl_penalty():
     script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, 5, 7]])
     exp, _, _ = make(script, scores=[2.0, -3.0])
-    cfg = AdvantageConfig("ppo", "gae", "reward", "k1", reward_clip=None, gamma=1.0, lam=1.0, whiten=False)
+    cfg = algo("ppo", "gae", "reward", "k1", reward_clip=None, gamma=1.0, lam=1.0, whiten=False)
     plain = compute_advantages(exp, cfg, kl_coef=0.0)
     assert plain.rewards.tolist() == [[0.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, -3.0]]
     # gamma = lam = 1: A_t = sum of future rewards - V_t; returns = score on every valid token
     assert plain.returns.tolist() == [[2.0, 2.0, 0.0, 0.0], [-3.0, -3.0, -3.0, -3.0]]
     assert torch.allclose(plain.advantages, torch.where(exp.action_mask.bool(), plain.returns - exp.values,
                                                         torch.zeros(())))
-    clipped = compute_advantages(exp, AdvantageConfig("ppo", "gae", "reward", "k1", reward_clip=1.0, whiten=False),
+    clipped = compute_advantages(exp, algo("ppo", "gae", "reward", "k1", reward_clip=1.0, whiten=False),
                                  kl_coef=0.0)
     assert clipped.rewards[0, 1] == 1.0 and clipped.rewards[1, 3] == -1.0
     kl = compute_advantages(exp, cfg, kl_coef=0.1)
@@ -159,7 +171,7 @@ def test_rewards_at_last_valid_token_and_kl_penalty():
     expected[0, 1] += 2.0
     expected[1, 3] += -3.0
     assert torch.allclose(kl.rewards, expected, atol=1e-6)
-    loss_kl = compute_advantages(exp, AdvantageConfig("ppo", "gae", "loss", "k1", whiten=False), kl_coef=0.1)
+    loss_kl = compute_advantages(exp, algo("ppo", "gae", "loss", "k3", whiten=False), kl_coef=0.1)
     assert loss_kl.rewards.tolist() == plain.rewards.tolist()  # kl_in: loss keeps it out of the reward
 
 
@@ -171,8 +183,8 @@ def test_grpo_group_advantages_use_the_full_group_before_dropping():
     assert len(exp) == 3 and exp.group.tolist() == [0, 0, 0]
     full = torch.tensor([1.0, 0.0, 0.0, 1.0])
     expected = (full - full.mean()) / (full.std() + 1e-4)
-    assert torch.allclose(exp.seq_adv, expected[[0, 2, 3]])
-    out = compute_advantages(exp, AdvantageConfig("grpo"), kl_coef=0.0)
+    assert torch.allclose(exp.baselined, expected[[0, 2, 3]])
+    out = compute_advantages(exp, algo("grpo", n=4), kl_coef=0.0)
     assert torch.allclose(out.advantages[:, 0], expected[[0, 2, 3]])
     assert torch.allclose(out.advantages[:, 1], expected[[0, 2, 3]])  # the EOS action gets it too
     assert out.rewards.tolist() == [[0.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
@@ -218,7 +230,7 @@ def test_zero_row_gives_zero_loss_and_gradient():
 
     script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, 5, 7]])
     exp, _, _ = make(script)
-    exp = compute_advantages(exp, AdvantageConfig("ppo", "gae", whiten=False), kl_coef=0.0)
+    exp = compute_advantages(exp, algo("ppo", "gae", whiten=False), kl_coef=0.0)
     model = ScriptedLM(bigram(0))
     loss, _ = actor_loss(model, zero_row(exp), ActorLossConfig(entropy_coef=0.1, kl_in_loss=True), 0.1)
     loss.backward()
@@ -243,13 +255,13 @@ def test_critic_free_estimators(estimator):
     script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, EOS, PAD]])
     prompts, pmask = PROMPTS[[1, 1]], PROMPT_MASK[[1, 1]]
     actor, ref = ScriptedLM(bigram(0), script), ScriptedLM(bigram(1))
-    cfg = MakerConfig(algorithm="ppo", samples_per_prompt=2, gen=GenerationConfig(4), forward_batch_size=0,
-                      need_old_logp=True, need_ref=True, need_values=False, estimator=estimator)
+    cfg = MakerConfig(samples_per_prompt=2, gen=GenerationConfig(4), forward_batch_size=0, need_old_logp=True,
+                      need_ref=True, need_values=False, baseline=algo("ppo", estimator, n=2).baseline)
     maker = ExperienceMaker(actor, ref, None, lambda p, c, **_: torch.tensor([1.0, 0.0]), Tok(), cfg)
     exp = maker.make(prompts[:1], pmask[:1], ["p"], {})
-    out = compute_advantages(exp, AdvantageConfig("ppo", estimator, whiten=False), kl_coef=0.0)
+    out = compute_advantages(exp, algo("ppo", estimator, whiten=False, n=2), kl_coef=0.0)
     if estimator == "rloo":  # leave-one-out: 1 - 0 and 0 - 1, on every token (gamma 1, no KL)
-        assert exp.seq_adv.tolist() == [1.0, -1.0]
+        assert exp.baselined.tolist() == [1.0, -1.0]
         assert out.advantages.tolist() == [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]
     else:  # whitened return-to-go over all valid tokens
         m = out.action_mask.bool()
@@ -262,12 +274,12 @@ def test_ppo_group_mean_baseline_centres_scores_per_prompt_before_gae():
     script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, EOS, PAD]])
     prompts, pmask = PROMPTS[[1, 1]], PROMPT_MASK[[1, 1]]
     actor, ref = ScriptedLM(bigram(0), script), ScriptedLM(bigram(1))
-    cfg = MakerConfig(algorithm="ppo", samples_per_prompt=2, gen=GenerationConfig(4), forward_batch_size=0,
-                      need_old_logp=True, need_ref=True, need_values=False, score_baseline="group_mean")
+    cfg = MakerConfig(samples_per_prompt=2, gen=GenerationConfig(4), forward_batch_size=0, need_old_logp=True,
+                      need_ref=True, need_values=False, baseline=algo("ppo", n=2, score_baseline="group_mean").baseline)
     maker = ExperienceMaker(actor, ref, None, lambda p, c, **_: torch.tensor([5.0, 3.0]), Tok(), cfg)
     exp = maker.make(prompts[:1], pmask[:1], ["p"], {})
-    assert exp.scores.tolist() == [5.0, 3.0] and exp.seq_adv.tolist() == [1.0, -1.0]
+    assert exp.scores.tolist() == [5.0, 3.0] and exp.baselined.tolist() == [1.0, -1.0]
     exp.values = torch.zeros(exp.action_mask.shape)
-    out = compute_advantages(exp, AdvantageConfig("ppo", "gae", gamma=1.0, lam=1.0, whiten=False), kl_coef=0.0)
+    out = compute_advantages(exp, algo("ppo", "gae", gamma=1.0, lam=1.0, whiten=False), kl_coef=0.0)
     assert out.rewards.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, -1.0]]
     assert out.advantages.tolist() == [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]

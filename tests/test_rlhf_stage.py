@@ -234,8 +234,8 @@ def test_rm_with_another_tokenizer_is_retokenised_or_refused(ws):
 def test_lora_reference_is_the_actor_with_adapters_disabled(ws):
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core.rlhf.experience import sequence_logprobs
-    from rlhf_core.rlhf.trainer import AdapterDisabled
+    from rlhf_core.generation import response_logprobs as sequence_logprobs
+    from rlhf_core.rlhf.models import AdapterDisabled
 
     tr = _trainer(ws, "compute.lora.enabled=true", "compute.lora.r=4", "rlhf.lr=1e-2", "rlhf.num_steps=2")
     assert isinstance(tr.ref, AdapterDisabled)
@@ -259,7 +259,7 @@ def test_dropout_is_off_so_the_first_ratio_is_one(ws):
     its rollout (eval-mode) log-probs, so the first PPO ratio is exactly 1 (was 0.74-1.17)."""
     from transformers import AutoConfig
 
-    from rlhf_core.rlhf.experience import sequence_logprobs
+    from rlhf_core.generation import response_logprobs as sequence_logprobs
 
     cfg = AutoConfig.from_pretrained(ws / "models/sft")
     cfg.attention_dropout = 0.3
@@ -311,7 +311,7 @@ def test_ppo_step_with_two_processes_under_torchrun(ws):
 
 
 def test_hacking_flag_is_proxy_up_and_judge_down():
-    from rlhf_core.rlhf.trainer import hacking_suspected
+    from rlhf_core.evaluation import hacking_suspected
 
     sft = {"proxy_reward": 1.96, "accuracy": 0.57}
     assert hacking_suspected(sft, {"proxy_reward": 7.88, "accuracy": 0.03}) is True  # measured: GRPO, RM, no ptx

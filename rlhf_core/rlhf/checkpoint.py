@@ -53,9 +53,8 @@ class MultiEngineCheckpoint(CheckpointManager):
         D.barrier()
         return str(tag_dir)
 
-    def load(self, engines: dict, tag: str) -> tuple[dict, dict | None]:  # type: ignore[override]
-        """Restore every engine (weights, optimizer, scheduler) and this rank's RNG; return
-        ``(trainer_state, ema_state or None)``."""
+    def load(self, engines: dict, tag: str) -> dict:  # type: ignore[override]
+        """Restore every engine (weights, optimizer, scheduler) and this rank's RNG; return the trainer state."""
         tag_dir = self.dir / tag
         for name, engine in engines.items():
             path, _ = engine.ds.load_checkpoint(str(tag_dir), tag=name, load_module_strict=True,
@@ -65,9 +64,12 @@ class MultiEngineCheckpoint(CheckpointManager):
         rng_file = tag_dir / f"rng_rank{D.rank()}.pt"
         if rng_file.exists():
             set_rng_state(torch.load(rng_file, weights_only=False))
-        ema_file = tag_dir / EMA_FILE
-        ema = torch.load(ema_file, weights_only=True) if ema_file.exists() else None
-        return json.loads((tag_dir / TRAINER_STATE).read_text()), ema
+        return json.loads((tag_dir / TRAINER_STATE).read_text())
+
+    def load_ema(self, tag: str) -> dict | None:
+        """The EMA actor weights saved with ``tag`` (None when the run keeps no EMA)."""
+        ema_file = self.dir / tag / EMA_FILE
+        return torch.load(ema_file, weights_only=True) if ema_file.exists() else None
 
 
 def checkpoint_dir(root: str | Path) -> Path:

@@ -4,7 +4,7 @@ One generation batch goes through these steps (``ExperienceMaker.make``)::
 
     prompts (token ids, left-padded) --generate (KV cache, sampling)--> Rollout
       -> score every row with the reward sources (no-EOS rows optionally get ``no_eos_penalty``)
-      -> sequence-level baselines that need whole groups (GRPO, RLOO) on *all* rows
+      -> the algorithm's baseline on whole groups (``baselined``: GRPO, RLOO, group mean) on *all* rows
       -> drop rows whose response is empty (only EOS), counted
       -> one pass per model under ``torch.inference_mode()``, logits only over response positions:
          actor old log-probs, reference log-probs, critic values
@@ -16,7 +16,7 @@ by the logits at positions ``-R-1 .. -2`` and the critic's value of action ``t``
 (the state *before* the token).
 
 The buffer (DeepSpeed-Chat's ``MiniDataset``): the generation batches of one iteration are concatenated
-(re-padded), advantages are computed over the whole buffer (``compute_advantages``), and the rows are
+(re-padded), advantages are computed over the whole buffer (``Algorithm.advantages``), and the rows are
 shuffled (whole groups together) into a fixed number of mini-batches of micro-batches, reused for
 ``ppo_epochs``.  The count is fixed by the configuration, not by how many rows survived, so every process
 runs the same number of forward/backward passes (a requirement of data-parallel gradient all-reduce);
@@ -33,60 +33,18 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.algos import (
-    discounted_cumsum,
-    entropy_from_logits,
-    gae,
-    group_advantages,
-    kl_estimate,
-    kl_penalized_rewards,
-    logprobs_from_logits,
-    masked_whiten,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
+from rlhf_core.algos import kl_estimate
 from rlhf_core.generation import (
     GenerationConfig,
     PromptResponseBatch,
     ended_with_eos,
     position_ids,
+    response_logprobs,
     rollout,
 )
 
-__all__ = [
-    "Experience",
-    "ExperienceMaker",
-    "compute_advantages",
-    "empty_response",
-    "minibatch_plan",
-    "sequence_logprobs",
-    "sequence_values",
-]
 
-
-# --------------------------------------------------------------------------- forward helpers
-def sequence_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                      temperature: float = 1.0, return_entropy: bool = False, entropy_grad: bool = False):
-    """Log-probs ``[B, R]`` of the last ``R = response_len`` tokens of ``sequences`` under ``model``.
-
-    Only the ``R + 1`` last logits are computed (``logits_to_keep``); position ``t`` scores token ``t + 1``.
-    Logits are divided by ``temperature`` (the distribution that sampled the tokens; TRL and OpenRLHF do
-    the same). ``return_entropy`` also gives the per-token entropy ``[B, R]`` (differentiable only with
-    ``entropy_grad``; otherwise computed without a graph, for logging).
-    """
-    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                logits_to_keep=response_len + 1, use_cache=False)
-    logits = out.logits[:, :-1, :]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = logprobs_from_logits(logits, sequences[:, -response_len:])
-    if return_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-        return logp, entropy
-    return logp
-
-
+# --------------------------------------------------------------------------- the critic's forward
 def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
     """Critic values ``[B, R]`` of the response actions: the value head at positions ``-R-1 .. -2``
     (the state before each response token)."""
@@ -101,16 +59,17 @@ def empty_response(responses: torch.Tensor, action_mask: torch.Tensor, eos_token
 
 
 # --------------------------------------------------------------------------- experience rows
-_OPTIONAL = ("old_logp", "ref_logp", "values", "rewards", "advantages", "returns", "seq_adv")
+_OPTIONAL = ("old_logp", "ref_logp", "values", "rewards", "advantages", "returns", "baselined")
 
 
 @dataclass
 class Experience(PromptResponseBatch):
     """Training rows: ``sequences = cat(prompt_ids, responses)``; ``[B, R]`` tensors are over response tokens.
 
-    ``scores``: sequence score (reward sources, no-EOS penalty applied); ``seq_adv``: a sequence-level
-    advantage/baseline-corrected score computed on whole groups before empty rows were dropped (GRPO:
-    group advantage, RLOO: leave-one-out score); ``group``: row's prompt id within the iteration.
+    ``scores``: sequence score ``s`` (reward sources, no-EOS penalty applied); ``baselined``: the score after
+    the algorithm's baseline ``b`` (``rlhf_core.rlhf.algorithms``: GRPO's group advantage, RLOO's
+    leave-one-out score, a group-centred or the plain score), computed on whole groups before empty rows were
+    dropped; ``group``: row's prompt id within the iteration.
     """
 
     scores: torch.Tensor  # [B]
@@ -118,7 +77,7 @@ class Experience(PromptResponseBatch):
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    seq_adv: torch.Tensor | None = None  # [B]
+    baselined: torch.Tensor | None = None  # [B]
     rewards: torch.Tensor | None = None  # [B, R] token rewards (set by compute_advantages)
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
@@ -185,63 +144,6 @@ class Experience(PromptResponseBatch):
         return Experience(**merged)
 
 
-# --------------------------------------------------------------------------- advantages
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """What ``compute_advantages`` needs (plain values, built from ``RLHFConfig``)."""
-
-    algorithm: str  # "ppo" | "grpo"
-    estimator: str = "gae"  # ppo: gae | rloo | reinforce_pp
-    kl_in: str = "reward"  # ppo: reward | loss
-    kl_estimator: str = "k1"
-    reward_clip: float | None = None
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten: bool = True
-
-
-def compute_advantages(exp: Experience, cfg: AdvantageConfig, kl_coef: float) -> Experience:
-    """Token rewards, advantages and returns over the whole buffer (vectorised, no loop over tokens).
-
-    * PPO/GAE: ``r_t = -kl_coef * KL_t`` (``kl_in: reward``; 0 with ``kl_in: loss``) plus the clipped score at
-      the last valid token (``s - mean_group(s)`` with ``ppo.score_baseline: group_mean``, in ``seq_adv``);
-      ``A, R = gae(V, r)``; ``A`` whitened over the buffer when configured.
-    * PPO/RLOO: the same token rewards around the leave-one-out score (``seq_adv``);
-      ``A = R = sum_{k>=t} gamma^(k-t) r_k`` (whitened when configured).
-    * PPO/REINFORCE++: ``A = R = whiten(sum_{k>=t} gamma^(k-t) r_k)``.
-    * GRPO: ``A_t = seq_adv`` (the group advantage) on every valid token; no critic, KL goes in the loss.
-    """
-    mask = exp.action_mask.bool()
-    zero = torch.zeros((), dtype=torch.float32)
-    if cfg.algorithm == "grpo":
-        adv = torch.where(mask, exp.seq_adv.float().unsqueeze(-1), zero)
-        rewards = torch.where(mask & (torch.arange(mask.shape[1]) == mask.sum(1, keepdim=True) - 1),
-                              exp.scores.float().unsqueeze(-1), zero)
-        return replace(exp, rewards=rewards, advantages=adv, returns=adv)
-    coef = kl_coef if cfg.kl_in == "reward" else 0.0
-    if coef > 0 and (exp.old_logp is None or exp.ref_logp is None):
-        raise ValueError("KL in the reward needs the actor's and the reference's log-probs")
-    logp = exp.old_logp if exp.old_logp is not None else torch.zeros(mask.shape)
-    ref = exp.ref_logp if exp.ref_logp is not None else logp
-    score = exp.seq_adv if exp.seq_adv is not None else exp.scores  # RLOO / group-mean baselines
-    rewards = kl_penalized_rewards(score.float(), logp, ref, mask, coef, cfg.reward_clip, cfg.kl_estimator)
-    if cfg.estimator == "gae":
-        if exp.values is None:
-            raise ValueError("GAE needs critic values")
-        adv, ret = gae(exp.values.float(), rewards, mask, cfg.gamma, cfg.lam)
-        if cfg.whiten:
-            adv = masked_whiten(adv, mask)
-    elif cfg.estimator == "rloo":
-        ret = torch.where(mask, discounted_cumsum(torch.where(mask, rewards, zero), cfg.gamma), zero)
-        adv = masked_whiten(ret, mask) if cfg.whiten else ret
-    elif cfg.estimator == "reinforce_pp":
-        adv = reinforce_pp_advantages(rewards, mask, cfg.gamma)
-        ret = adv
-    else:
-        raise ValueError(f"unknown advantage estimator {cfg.estimator!r}")
-    return replace(exp, rewards=rewards, advantages=adv, returns=ret)
-
-
 # --------------------------------------------------------------------------- the buffer's mini-batches
 def minibatch_plan(groups: torch.Tensor, n_minibatches: int, grad_accum: int,
                    generator: torch.Generator) -> list[list[torch.Tensor]]:
@@ -271,17 +173,14 @@ ScoreFn = Callable[..., torch.Tensor]
 
 @dataclass
 class MakerConfig:
-    algorithm: str
     samples_per_prompt: int
     gen: GenerationConfig
     forward_batch_size: int
     need_old_logp: bool
     need_ref: bool
     need_values: bool
+    baseline: Callable[[torch.Tensor], torch.Tensor]  # Algorithm.baseline: scores -> baselined scores
     no_eos_penalty: float | None = None
-    estimator: str = "gae"
-    grpo_scale: str = "group"
-    score_baseline: str = "none"  # PPO: "group_mean" centres scores within each prompt's samples
 
 
 def _batched(fn, n: int, batch: int):
@@ -327,13 +226,7 @@ class ExperienceMaker:
         ended = ended_with_eos(roll.responses, self.tok.eos_token_id)
         if cfg.no_eos_penalty is not None:
             scores = torch.where(ended, scores, torch.tensor(float(cfg.no_eos_penalty)))
-        seq_adv = None
-        if cfg.algorithm == "grpo":
-            seq_adv = group_advantages(scores, n, cfg.grpo_scale)
-        elif cfg.estimator == "rloo":
-            seq_adv = rloo_advantages(scores, n)
-        elif cfg.score_baseline == "group_mean":
-            seq_adv = group_advantages(scores, n, "none")
+        baselined = cfg.baseline(scores)
         judged = None
         if "answer" in rep_cols:
             from rlhf_core.rewards import check_answer
@@ -354,7 +247,7 @@ class ExperienceMaker:
             keep[0] = True
             roll.action_mask[0] = 0
         exp = Experience(roll.prompt_ids, roll.prompt_mask, roll.responses, roll.action_mask, scores, group,
-                         seq_adv=seq_adv).select(keep.nonzero(as_tuple=True)[0], trim=True)
+                         baselined=baselined).select(keep.nonzero(as_tuple=True)[0], trim=True)
         exp.info = info
         self._forward_passes(exp)
         self.actor.train(was_training)
@@ -370,10 +263,10 @@ class ExperienceMaker:
         out: dict[str, torch.Tensor | None] = {"old_logp": None, "ref_logp": None, "values": None}
         t = cfg.gen.temperature
         if cfg.need_old_logp:
-            out["old_logp"] = _batched(lambda s: sequence_logprobs(self.actor, seq[s], att[s], R, t).float(),
+            out["old_logp"] = _batched(lambda s: response_logprobs(self.actor, seq[s], att[s], R, t).float(),
                                        len(exp), bs)
         if cfg.need_ref:
-            out["ref_logp"] = _batched(lambda s: sequence_logprobs(self.ref, seq[s], att[s], R, t).float(),
+            out["ref_logp"] = _batched(lambda s: response_logprobs(self.ref, seq[s], att[s], R, t).float(),
                                        len(exp), bs)
         if cfg.need_values:
             out["values"] = _batched(lambda s: sequence_values(self.critic, seq[s], att[s], R).float(), len(exp), bs)

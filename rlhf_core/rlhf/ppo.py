@@ -1,4 +1,5 @@
-"""PPO losses on one micro-batch of experience (InstructGPT / DeepSpeed-Chat / OpenRLHF semantics).
+"""The actor and critic losses on one micro-batch of experience (InstructGPT / DeepSpeed-Chat / OpenRLHF
+semantics); PPO and GRPO share the clipped surrogate (``rlhf_core.rlhf.algorithms`` picks the terms).
 
 Actor::
 
@@ -12,7 +13,11 @@ Critic (initialised from the reward model)::
     V_clip  = V_old + clip(V - V_old, -eps_v, eps_v)
     L_value = vf_coef * 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2))
 
-Token-level means over every valid action token of the micro-batch (OpenRLHF / DeepSpeed-Chat).
+GRPO (DeepSeekMath, Shao et al. 2024) is the actor loss with ``A_t`` the group advantage and KL in the loss,
+``beta * masked_mean(k3_t)``, ``k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1``, and no critic.
+
+Token-level means over every valid action token of the micro-batch (OpenRLHF / DeepSpeed-Chat; for GRPO the
+DAPO / TRL default rather than DeepSeekMath's per-sequence mean, which down-weights long responses' tokens).
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_core.algos import kl_estimate, masked_mean, policy_loss, value_loss
-from rlhf_core.config import RLHFConfig
-from rlhf_core.rlhf.experience import Experience, sequence_logprobs, sequence_values
+from rlhf_core.generation import response_logprobs
+from rlhf_core.rlhf.experience import Experience, sequence_values
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ def actor_loss(model, mb: Experience, cfg: ActorLossConfig, kl_coef: float) -> t
     pass saved (TRL does the same).
     """
     mask = mb.action_mask.bool()
-    logp, entropy = sequence_logprobs(model, mb.sequences, mb.attention_mask, mb.response_len, cfg.temperature,
+    logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_len, cfg.temperature,
                                       return_entropy=True, entropy_grad=cfg.entropy_coef > 0)
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
     loss, stats = policy_loss(logp, old, mb.advantages, mask, cfg.clip_eps, cfg.dual_clip)
@@ -72,10 +77,3 @@ def ptx_loss(model, batch: dict) -> torch.Tensor:
     """SFT (pretraining-mix) loss on a ``collate_sft`` batch: transformers' shifted token cross-entropy."""
     batch = {k: v for k, v in batch.items() if k != "num_tokens"}
     return model(**batch, use_cache=False).loss
-
-
-def ppo_loss_config(cfg: RLHFConfig) -> ActorLossConfig:
-    p = cfg.ppo
-    return ActorLossConfig(clip_eps=p.clip_eps, dual_clip=p.dual_clip, kl_in_loss=p.kl_in == "loss",
-                           kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
-                           temperature=cfg.temperature)

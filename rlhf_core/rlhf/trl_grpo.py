@@ -18,8 +18,8 @@ The same inputs and budget as ``rlhf stage rlhf`` with ``rlhf.algorithm: grpo`` 
   ours). What TRL has no equivalent of (ptx, entropy bonus, no-EOS penalty, another KL estimator, batches that
   do not divide the rows) is refused, so a comparison is always like for like.
 
-The trained policy is scored by ``trainer.heldout_eval`` (greedy held-out accuracy, proxy reward, exact KL to
-the SFT model) and ``metrics/rlhf.json`` is written with the keys ``learning`` reads, so both frameworks are
+The trained policy is scored by ``rlhf_core.evaluation.heldout_eval`` (greedy held-out accuracy, proxy reward,
+exact KL to the SFT model) and ``metrics/rlhf.json`` is written with the keys ``learning`` reads, so both frameworks are
 measured by one evaluator.
 """
 
@@ -41,12 +41,11 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_core import paths
-    from rlhf_core.data.collate import encode_prompts
     from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.evaluation import heldout_eval
     from rlhf_core.meta import write_json_atomic
     from rlhf_core.rewards.sources import RewardSources
-    from rlhf_core.rlhf.trainer import HeldOut, heldout_eval
-    from rlhf_core.trainers.common import read_split
+    from rlhf_core.rlhf.inputs import load_prompts
 
     root = Path(root)
     t_start = time.perf_counter()
@@ -54,11 +53,8 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     torch.set_num_threads(params.compute.num_threads or torch.get_num_threads())
     tok = load_tokenizer(root / paths.SFT_MODEL)
     reward = RewardSources(cfg.reward_fns, root / paths.RM_MODEL, tok, cfg.rm_tokenizer_mismatch)
-    train = read_split(root, "prompts", columns=("prompt", "answer"))
-    evals = read_split(root, "prompts", eval_split=True, columns=("prompt", "answer"))
-    n_eval = min(len(evals["prompt"]), params.eval.max_prompts)
-    held = HeldOut(evals["prompt"][:n_eval], evals["answer"][:n_eval],
-                   encode_prompts(tok, evals["prompt"][:n_eval], params.data.max_prompt_len))
+    data = load_prompts(params, root, tok)
+    held = data.heldout
 
     def reward_fn(prompts, completions, answer=None, **_):
         columns = {"answer": list(answer)} if answer is not None else {}
@@ -79,7 +75,7 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     n_mini = rows // per_step  # optimizer steps per generation batch, as ours
     model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL)
     ref = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL).eval()
-    sft_eval = heldout_eval(model, None, tok, held, reward, params.eval, "cpu")
+    sft_eval = heldout_eval(model, tok, held, params.eval, "cpu", reward=reward)
 
     class Timer(TrainerCallback):
         train_s = 0.0
@@ -103,11 +99,11 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
         scale_rewards={"group": "group", "batch": "batch", "none": "none"}[cfg.grpo.scale],
         seed=params.project.seed, data_seed=params.project.seed, dataloader_num_workers=0, disable_dropout=True)
     timer = Timer()
-    data = Dataset.from_dict({"prompt": train["prompt"], "answer": train["answer"]})
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=data, processing_class=tok,
+    dataset = Dataset.from_dict({"prompt": data.texts, "answer": data.answers})
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tok,
                           callbacks=[timer])
     trainer.train()
-    final = heldout_eval(trainer.model, ref, tok, held, reward, params.eval, "cpu")
+    final = heldout_eval(trainer.model, tok, held, params.eval, "cpu", ref=ref, reward=reward)
     metrics = {
         "framework": f"trl {trl.__version__}", "algorithm": "grpo", "steps": cfg.num_steps,
         "optimizer_steps": trainer.state.global_step, "sft_accuracy": sft_eval["accuracy"],

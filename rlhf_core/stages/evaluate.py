@@ -31,7 +31,7 @@ import torch
 
 from rlhf_core import paths, tracking
 from rlhf_core.config import Params
-from rlhf_core.generation import generate, position_ids
+from rlhf_core.evaluation import HeldOut, answer_batches, sequence_kl
 from rlhf_core.meta import dir_sha256, write_json_atomic
 from rlhf_core.rewards import check_answer
 from rlhf_core.rewards.sources import RM_SOURCE, RewardSources
@@ -57,33 +57,13 @@ def load_champion(uri: str):
     return components["model"].eval(), tok
 
 
-def _response_log_softmax(model, seq: torch.Tensor, att: torch.Tensor, R: int) -> torch.Tensor:
-    out = model(input_ids=seq, attention_mask=att, position_ids=position_ids(att), logits_to_keep=R + 1,
-                use_cache=False)
-    return torch.log_softmax(out.logits[:, :-1, :].float(), dim=-1)
+def answer_model(model, tok, prompts: list[str], params: Params) -> list:
+    """Every prompt answered once with ``eval.*`` decoding, tokenised with the model's own tokenizer."""
+    from rlhf_core.data.collate import encode_prompts
 
-
-@torch.inference_mode()
-def sequence_kl(model, ref_model, rollout, batch_size: int) -> torch.Tensor:
-    """Per row: sum over action tokens of KL(pi(.|prefix) || pi_ref(.|prefix)) on ``rollout``'s responses."""
-    out = []
-    R = rollout.responses.shape[1]
-    seq, att, mask = rollout.sequences, rollout.attention_mask, rollout.action_mask
-    for i in range(0, seq.shape[0], batch_size):
-        s, a, m = seq[i:i + batch_size], att[i:i + batch_size], mask[i:i + batch_size]
-        lp, lq = _response_log_softmax(model, s, a, R), _response_log_softmax(ref_model, s, a, R)
-        out.append(((lp.exp() * (lp - lq)).sum(dim=-1) * m).sum(dim=1))
-    return torch.cat(out)
-
-
-def answer_model(model, tok, prompts: list[str], params: Params):
     ev = params.eval
-    rollouts = []
-    for i in range(0, len(prompts), ev.batch_size):
-        rollouts.append(generate(model, tok, prompts[i:i + ev.batch_size], ev.max_new_tokens,
-                                 temperature=ev.temperature, do_sample=ev.temperature > 0,
-                                 max_prompt_len=params.data.max_prompt_len))
-    return rollouts
+    data = HeldOut(prompts, None, encode_prompts(tok, prompts, params.data.max_prompt_len))
+    return [roll for _, _, roll in answer_batches(model, tok, data, ev.batch_size, ev.max_new_tokens, ev.temperature)]
 
 
 def summarise(rollouts, rewards: torch.Tensor, kl: torch.Tensor, answers: list | None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -59,24 +58,19 @@ def input_hashes(root: str | Path, files: list[Path], model_dirs: dict[str, str 
     return out
 
 
-def fingerprint(params: Params, stage: str, section: OptimConfig, inputs: dict[str, str]) -> dict:
-    """What a checkpoint belongs to: a resumed run must train the same thing on the same data and world."""
-    sec = section.model_dump(mode="json", exclude=set(_NON_TRAINING_KEYS))
+def fingerprint(params: Params, stage: str, section: OptimConfig, inputs: dict[str, str], ignore: tuple[str, ...] = (),
+                **extra) -> dict:
+    """What a checkpoint belongs to: a resumed run must train the same thing on the same data and world.
+
+    The section's keys that do not change what is trained (``_NON_TRAINING_KEYS`` and ``ignore``) and the
+    thread count are left out; ``extra`` adds what else the checkpointed state depends on.
+    """
+    sec = section.model_dump(mode="json", exclude=set(_NON_TRAINING_KEYS) | set(ignore))
     return {"stage": stage, "seed": params.project.seed, "section": sec,
             "model": params.model.model_dump(mode="json"),
             "compute": params.compute.model_dump(mode="json", exclude={"num_threads"}),
             "data_limits": [params.data.max_prompt_len, params.data.max_response_len],
-            "inputs": inputs, "world_size": D.world_size()}
-
-
-def shard_for_eval(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's eval rows, padded so every rank runs the same number of batches (ZeRO-3 needs that);
-    returns (indices, weights) where padding rows weigh 0."""
-    world = D.world_size()
-    per_rank = math.ceil(n / world)
-    idx = torch.arange(per_rank * world)
-    mine = idx[D.rank()::world]
-    return mine % max(n, 1), (mine < n).float()
+            "inputs": inputs, "world_size": D.world_size(), **extra}
 
 
 def default_max_length(params: Params, value: int | None) -> int:

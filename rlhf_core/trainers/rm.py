@@ -27,6 +27,7 @@ from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.loop import Hooks, LogFn, fit
 from rlhf_core.engine.sampler import ResumableSampler
+from rlhf_core.evaluation import shard_for_eval
 from rlhf_core.models.loading import (
     base_model_source,
     build_value_model,
@@ -42,7 +43,6 @@ from rlhf_core.trainers.common import (
     read_split,
     resume_or_start,
     run_metrics,
-    shard_for_eval,
     stage_meta,
 )
 from rlhf_core.trainers.losses import divergence_rm_loss

@@ -15,27 +15,25 @@ from pathlib import Path
 import torch
 
 from rlhf_core import paths
-from rlhf_core.config import EvalConfig, Params
+from rlhf_core.config import Params
 from rlhf_core.data.collate import (
     SFTData,
     build_sft_data,
     collate_sft,
     encode_prompts,
     encode_sequences,
-    left_pad_prompts,
 )
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.loop import Hooks, LogFn, fit
 from rlhf_core.engine.sampler import ResumableSampler
-from rlhf_core.generation import GenerationConfig, rollout
+from rlhf_core.evaluation import HeldOut, heldout_eval, shard_for_eval
 from rlhf_core.models.loading import (
     base_model_source,
     build_causal_lm,
     load_training_tokenizer,
     save_causal_lm,
 )
-from rlhf_core.rewards.demo_task import check_answer
 from rlhf_core.trainers.common import (
     build_engine,
     checkpoints_for,
@@ -45,7 +43,6 @@ from rlhf_core.trainers.common import (
     read_split,
     resume_or_start,
     run_metrics,
-    shard_for_eval,
     stage_meta,
 )
 from rlhf_core.trainers.losses import token_nll
@@ -82,43 +79,18 @@ def eval_perplexity(model, data: SFTData, batch_size: int, pad_id: int, device) 
     return {"eval_loss": mean, "ppl": math.exp(min(mean, 50.0))}
 
 
-@torch.no_grad()
-def generate_answers(model, tokenizer, prompts: list[str], answers: list, cfg: EvalConfig,
-                     synced_gpus: bool = False) -> dict[str, float]:
-    """Greedy (or sampled, ``eval.temperature`` > 0) completions, left-padded, stopped at EOS; exact-answer accuracy."""
-    prompts, answers = prompts[: cfg.max_prompts], answers[: cfg.max_prompts]
-    was_training = model.training
-    model.eval()
-    encoded = encode_prompts(tokenizer, prompts)
-    idx, weight = shard_for_eval(len(prompts))
-    correct, total, eos_share = 0.0, 0.0, 0.0
-    gen = GenerationConfig(cfg.max_new_tokens, cfg.temperature, do_sample=cfg.temperature > 0,
-                           synced_gpus=synced_gpus)
-    for i in range(0, len(idx), cfg.batch_size):
-        rows = idx[i:i + cfg.batch_size]
-        batch = left_pad_prompts(encoded, rows, tokenizer.pad_token_id)
-        roll = rollout(model, batch["input_ids"], batch["attention_mask"], tokenizer, gen)
-        ok = torch.tensor([check_answer(t, answers[int(j)]) for t, j in zip(roll.texts, rows, strict=True)],
-                          dtype=torch.float64)
-        w = weight[i:i + cfg.batch_size].double()
-        correct += float((ok * w).sum())
-        total += float(w.sum())
-        eos_share += float((roll.ended.double() * w).sum())
-    model.train(was_training)
-    sums = D.all_reduce_sum(torch.tensor([correct, total, eos_share], dtype=torch.float64))
-    n = float(sums[1].clamp(min=1))
-    return {"accuracy": float(sums[0]) / n, "eos_rate": float(sums[2]) / n}
-
-
 def _evaluate(engine: TrainEngine, params: Params, tokenizer, eval_data: SFTData, prompts: dict) -> dict:
     model, device = engine.module, engine.device
     synced = params.compute.zero_stage == 3 and D.world_size() > 1
     out = eval_perplexity(model, eval_data, params.eval.batch_size, tokenizer.pad_token_id, device)
     with_answer = [i for i, a in enumerate(prompts["answer"]) if a is not None]
     if with_answer:
-        gen = generate_answers(model, tokenizer, [prompts["prompt"][i] for i in with_answer],
-                               [prompts["answer"][i] for i in with_answer], params.eval, synced)
-        out.update(gen)
+        ev = params.eval
+        texts = [prompts["prompt"][i] for i in with_answer][:ev.max_prompts]
+        data = HeldOut(texts, [prompts["answer"][i] for i in with_answer][:ev.max_prompts],
+                       encode_prompts(tokenizer, texts))
+        gen = heldout_eval(model, tokenizer, data, ev, device, temperature=ev.temperature, synced_gpus=synced)
+        out.update({"accuracy": gen["accuracy"], "eos_rate": gen["eos_share"]})
     else:
         out.update({"accuracy": None, "eos_rate": None})
     return out

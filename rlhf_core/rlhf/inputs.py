@@ -1,0 +1,115 @@
+"""The RL stage's inputs: checked before anything loads (errors name the key or path), then read once.
+
+``check_inputs`` refuses what the stage cannot use (no SFT model, no RM where the critic or the reward
+needs one, an RM with another vocabulary under a critic, unknown reward functions, a process count that
+does not divide ``prompts_per_step``). ``load_prompts`` tokenises the train and held-out prompts once, with
+the special tokens of SFT training; ``load_ptx`` reads the SFT rows of the pretraining-mix loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_core import paths
+from rlhf_core.config import Params
+from rlhf_core.data.collate import Ragged, encode_prompts
+from rlhf_core.engine import distributed as D
+from rlhf_core.engine.errors import TrainingInputError
+from rlhf_core.evaluation import HeldOut
+
+
+@dataclass(frozen=True)
+class Inputs:
+    sft: Path  # actor init and frozen reference
+    rm: Path
+    uses_rm: bool  # the RM is read (critic init or a reward source)
+    needs_critic: bool
+
+
+def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
+    """Fail early, naming the key or path, on inputs the stage cannot use."""
+    from rlhf_core.rewards.registry import REWARD_FUNCTIONS
+    from rlhf_core.rewards.sources import RM_SOURCE
+
+    cfg = params.rlhf
+    sft_dir, rm_dir = root / paths.SFT_MODEL, root / paths.RM_MODEL
+    if not (sft_dir / "config.json").exists():
+        raise TrainingInputError(f"{paths.SFT_MODEL}: no SFT model (actor and reference start from it); "
+                                 "run `rlhf stage sft` first")
+    if needs_critic and not (rm_dir / "config.json").exists():
+        raise TrainingInputError(
+            f"{paths.RM_MODEL}: no reward model, but PPO with rlhf.ppo.advantage_estimator: gae needs a critic "
+            "initialised from it; run `rlhf stage rm`, or use rlhf.algorithm: grpo or a critic-free "
+            "rlhf.ppo.advantage_estimator (rloo, reinforce_pp)")
+    if needs_critic:
+        check_critic_tokenizer(sft_dir, rm_dir, params.model.trust_remote_code)
+    if cfg.prompts_per_step % D.world_size():
+        raise TrainingInputError(f"rlhf.prompts_per_step ({cfg.prompts_per_step}) must be divisible by the number "
+                                 f"of processes ({D.world_size()})")
+    if cfg.ema_decay is not None and params.compute.zero_stage == 3:
+        raise TrainingInputError("rlhf.ema_decay is not supported with compute.zero_stage: 3")
+    unknown = [k for k in cfg.reward_fns if k != RM_SOURCE and k not in REWARD_FUNCTIONS]
+    if unknown:
+        raise TrainingInputError(f"rlhf.reward_fns: unknown reward function(s) {unknown}; known: "
+                                 f"{', '.join(sorted(REWARD_FUNCTIONS))}, {RM_SOURCE}")
+    if RM_SOURCE in cfg.reward_fns and not (rm_dir / "config.json").exists():
+        raise TrainingInputError(f"rlhf.reward_fns names `rm` but {paths.RM_MODEL} has no reward model; "
+                                 "run `rlhf stage rm` or remove `rm`")
+    return Inputs(sft_dir, rm_dir, needs_critic or RM_SOURCE in cfg.reward_fns, needs_critic)
+
+
+def check_critic_tokenizer(sft_dir: Path, rm_dir: Path, trust_remote_code: bool) -> None:
+    """The critic (initialised from the RM) reads the actor's token ids: refuse an RM with another vocabulary
+    (the reward can be re-tokenised from text, the critic's per-token values cannot)."""
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.rewards.sources import same_tokenizer
+
+    if not same_tokenizer(load_tokenizer(sft_dir, trust_remote_code), load_tokenizer(rm_dir, trust_remote_code)):
+        raise TrainingInputError(
+            f"{paths.RM_MODEL}: its tokenizer differs from the actor's ({paths.SFT_MODEL}), but PPO with "
+            "rlhf.ppo.advantage_estimator: gae initialises the critic from it and feeds it the actor's token ids; "
+            "train the RM from the SFT model (rm.init_from: sft), or use a critic-free estimator (grpo, rloo, "
+            "reinforce_pp), which score the RM on re-tokenised text")
+
+
+@dataclass
+class Prompts:
+    """The training prompts (text, answers for the judge where the data has them, tokens) and the held-out set."""
+
+    texts: list[str]
+    answers: list
+    tokens: Ragged
+    heldout: HeldOut
+
+    @property
+    def has_answers(self) -> bool:
+        return any(a is not None for a in self.answers)
+
+
+def load_prompts(params: Params, root: Path, tokenizer) -> Prompts:
+    """``prompts.parquet`` and the first ``eval.max_prompts`` of ``eval_prompts.parquet``, tokenised once
+    (prepare already cut the prompts; ``encode_prompts`` keeps the one BOS a tokenizer adds)."""
+    from rlhf_core.trainers.common import read_split
+
+    def encode(texts: list[str]) -> Ragged:
+        return encode_prompts(tokenizer, texts, params.data.max_prompt_len)
+
+    train = read_split(root, "prompts", columns=("id", "prompt", "answer"))
+    evals = read_split(root, "prompts", eval_split=True, columns=("id", "prompt", "answer"))
+    n_eval = min(len(evals["prompt"]), params.eval.max_prompts)
+    texts, answers = evals["prompt"][:n_eval], evals["answer"][:n_eval]
+    has_answers = any(a is not None for a in train["answer"])
+    heldout = HeldOut(texts, answers if has_answers else None, encode(texts))
+    return Prompts(train["prompt"], train["answer"], encode(train["prompt"]), heldout)
+
+
+def load_ptx(params: Params, root: Path, tokenizer):
+    """The SFT rows of the pretraining-mix loss (``rlhf.ptx_coef``), as ``build_sft_data`` rows."""
+    from rlhf_core.data.collate import build_sft_data, encode_sequences
+    from rlhf_core.trainers.common import default_max_length, read_split
+
+    sft = read_split(root, "sft", columns=("id", "prompt", "response"))
+    max_len = default_max_length(params, params.sft.max_length)
+    return build_sft_data(encode_sequences(tokenizer, sft["prompt"], sft["response"], max_len,
+                                           str(paths.prepared_file("sft")), "sft.max_length", sft["id"]))

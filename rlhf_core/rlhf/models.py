@@ -1,0 +1,86 @@
+"""The RL stage's models: the actor and the frozen reference from ``models/sft``, the critic from ``models/rm``.
+
+The actor and critic train with dropout off (TRL does the same): the rollout pass runs in eval mode, so
+with dropout the first PPO ratio would not be 1. Under LoRA the reference is the actor with its adapters
+switched off (no second copy); under ZeRO-3 it is a partitioned frozen DeepSpeed module
+(DeepSpeed-Chat's reference).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlhf_core.config import Params
+from rlhf_core.engine import distributed as D
+from rlhf_core.engine.engine import model_init_context
+from rlhf_core.models.loading import disable_dropout, load_causal_lm, prepare_for_training
+
+
+class AdapterDisabled:
+    """The reference policy under LoRA: the actor itself with its adapters switched off (no second copy)."""
+
+    def __init__(self, peft_model):
+        self.model = peft_model
+
+    def __call__(self, *args, **kwargs):
+        with self.model.disable_adapter():
+            return self.model(*args, **kwargs)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        return self
+
+
+def _model_kwargs(params: Params) -> dict:
+    return {"trust_remote_code": params.model.trust_remote_code,
+            "attn_implementation": params.compute.attn_implementation}
+
+
+def load_actor(params: Params, sft_dir: Path):
+    """The trainable policy, initialised from the SFT model (LoRA / gradient checkpointing per ``compute``)."""
+    with model_init_context(params.compute, params.rlhf):
+        model = load_causal_lm(sft_dir, **_model_kwargs(params))
+    return disable_dropout(prepare_for_training(model, params.compute))
+
+
+def load_reference(params: Params, sft_dir: Path, actor_engine):
+    """The frozen reference policy, on the actor's device and in its precision."""
+    compute, cfg = params.compute, params.rlhf
+    if compute.lora.enabled:
+        return AdapterDisabled(actor_engine.module)
+    with model_init_context(compute, cfg):
+        ref = load_causal_lm(sft_dir, **_model_kwargs(params))
+    ref.requires_grad_(False)
+    if compute.zero_stage == 3:
+        import deepspeed
+
+        conf = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+                "train_batch_size": cfg.micro_batch_size * D.world_size(),
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4},
+                "bf16": {"enabled": actor_engine.precision == "bf16"},
+                "fp16": {"enabled": actor_engine.precision == "fp16"}}
+        ref = deepspeed.initialize(model=ref, config=conf, dist_init_required=False)[0].module
+    else:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(actor_engine.precision)
+        ref = ref.to(device=actor_engine.device, dtype=dtype) if dtype else ref.to(actor_engine.device)
+    return ref.eval()
+
+
+def load_critic(params: Params, rm_dir: Path):
+    """The value model, initialised from the reward model (backbone and scalar head)."""
+    from rlhf_core.models.value_head import ValueHeadModel
+
+    with model_init_context(params.compute, params.rlhf):
+        critic = ValueHeadModel.from_pretrained(rm_dir, require_head=True, **_model_kwargs(params))
+    return disable_dropout(prepare_for_training(critic, params.compute))
