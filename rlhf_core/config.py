@@ -165,7 +165,6 @@ class OptimConfig(_Section):
     lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(10, ge=0)
-    epochs: int = Field(1, ge=1)
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 means all epochs.")
     micro_batch_size: int = Field(32, ge=1)
     grad_accum: int = Field(1, ge=1)
@@ -184,7 +183,7 @@ class SFTConfig(OptimConfig):
     max_length: int | None = Field(
         None, ge=2, description="Tokens per row (prompt + response + EOS); null: data limits + 2. "
                                 "A prompt this long is an error; longer responses are cut and counted.")
-    epochs: int = Field(20, ge=1)
+    epochs: int = Field(20, ge=1, description="Passes over the SFT rows.")
     save_every: int = Field(100, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
 
 
@@ -197,7 +196,7 @@ class RMConfig(OptimConfig):
         None, ge=2, description="Tokens per chosen/rejected row; null: data limits + 2. "
                                 "A prompt this long is an error; longer responses are cut and counted.")
     lr: float = Field(1e-3, gt=0.0)
-    epochs: int = Field(16, ge=1)
+    epochs: int = Field(16, ge=1, description="Passes over the preference pairs.")
     save_every: int = Field(200, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
     judge: bool = Field(
         False, description="Also train a judge reward model, same settings, on the held-out pairs (`eval_pairs`, "
@@ -242,14 +241,13 @@ class GRPOConfig(_Section):
 
 
 class RLHFConfig(OptimConfig):
-    """PPO / GRPO. Optimiser keys (`lr`, `warmup_steps`, ...) count optimizer steps; `epochs` is unused
-    (`num_steps` counts rollout iterations) and `max_steps` > 0 stops early (a later run resumes)."""
+    """PPO / GRPO. Optimiser keys (`lr`, `warmup_steps`, ...) count optimizer steps; `num_steps` counts rollout
+    iterations and `max_steps` > 0 stops early (a later run resumes)."""
 
     algorithm: Literal["ppo", "grpo"] = Field("ppo", description="`ppo` (actor + critic) or `grpo` (no critic).")
     lr: float = Field(1e-4, gt=0.0, description="Actor learning rate.")
     warmup_steps: int = Field(0, ge=0, description="LR warmup in optimizer steps (an iteration makes "
                                                     "`ppo_epochs` x mini-batches of them).")
-    epochs: int = Field(1, ge=1, description="Unused by RLHF: `num_steps` counts rollout iterations.")
     micro_batch_size: int = Field(64, ge=1, description="Experience rows per forward/backward pass (per process).")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step: a mini-batch is "
                                                  "micro_batch_size x grad_accum rows of the buffer per process.")
