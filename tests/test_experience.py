@@ -10,8 +10,8 @@ from rlhf_core.algos import kl_estimate
 from rlhf_core.config import RLHFConfig
 from rlhf_core.generation import GenerationConfig
 from rlhf_core.generation import response_logprobs as sequence_logprobs
-from rlhf_core.rlhf.algorithms import algorithm_for, compute_advantages
-from rlhf_core.rlhf.experience import (
+from rlhf_core.trainers.rlhf.algorithms import algorithm_for, compute_advantages
+from rlhf_core.trainers.rlhf.experience import (
     Experience,
     ExperienceMaker,
     MakerConfig,
@@ -26,7 +26,7 @@ EOS, PAD, V = 2, 0, 8
 def algo(name: str = "ppo", estimator: str = "gae", kl_in: str = "reward", kl_estimator: str = "k1",
          reward_clip: float | None = None, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, n: int = 1,
          score_baseline: str = "none"):
-    """The algorithm declaration for these settings (``rlhf_core.rlhf.algorithms``)."""
+    """The algorithm declaration for these settings (``rlhf_core.trainers.rlhf.algorithms``)."""
     return algorithm_for(RLHFConfig(
         algorithm=name, kl_estimator=kl_estimator, reward_clip=reward_clip, whiten_advantages=whiten,
         grpo={"group_size": max(n, 2)},
@@ -226,7 +226,7 @@ def test_minibatch_plan_is_fixed_size_and_keeps_groups_together():
 
 
 def test_zero_row_gives_zero_loss_and_gradient():
-    from rlhf_core.rlhf.ppo import ActorLossConfig, actor_loss
+    from rlhf_core.trainers.rlhf.ppo import ActorLossConfig, actor_loss
 
     script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, 5, 7]])
     exp, _, _ = make(script)

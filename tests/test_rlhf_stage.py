@@ -68,7 +68,7 @@ def ws(built, tmp_path, monkeypatch):
 
 
 def _trainer(root, *overrides, evaluate=False, checkpoints=False, log=None, hooks=None):
-    from rlhf_core.rlhf.trainer import RLHFTrainer
+    from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
 
     return RLHFTrainer(params(*overrides), root, log, hooks, evaluate=evaluate, checkpoints=checkpoints).setup()
 
@@ -113,7 +113,7 @@ def test_ppo_stage_writes_models_metrics_and_plots(ws):
     from transformers import AutoModelForCausalLM
 
     from rlhf_core.meta import dir_sha256, read_meta
-    from rlhf_core.stages.rlhf import run
+    from rlhf_core.trainers.rlhf.trainer import train_rlhf as run
 
     metrics = run(params("rlhf.num_steps=2", "rlhf.ema_decay=0.5"), ws)
     for key in ("sft_accuracy", "accuracy", "kl_to_reference", "kl_bound", "steps", "wall_time_s"):
@@ -135,7 +135,7 @@ def test_ppo_stage_writes_models_metrics_and_plots(ws):
 
 def test_grpo_has_no_critic_and_needs_no_rm(ws):
     from rlhf_core.meta import read_meta
-    from rlhf_core.stages.rlhf import run
+    from rlhf_core.trainers.rlhf.trainer import train_rlhf as run
 
     shutil.rmtree(ws / "models/rm")
     run(params("rlhf.algorithm=grpo", "rlhf.num_steps=1"), ws)
@@ -154,7 +154,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_stopped_run_resumes_from_its_step_and_matches_an_uninterrupted_run(ws, tmp_path):
-    from rlhf_core.rlhf.trainer import RLHFHooks, train_rlhf
+    from rlhf_core.trainers.rlhf.trainer import RLHFHooks, train_rlhf
 
     common = ("rlhf.num_steps=4", "rlhf.save_every=1", "eval.max_prompts=2")
     full = tmp_path / "full"
@@ -180,7 +180,7 @@ def test_stopped_run_resumes_from_its_step_and_matches_an_uninterrupted_run(ws, 
 
 
 def test_max_steps_stops_early_and_a_rerun_continues(ws):
-    from rlhf_core.rlhf.trainer import train_rlhf
+    from rlhf_core.trainers.rlhf.trainer import train_rlhf
 
     first = train_rlhf(params("rlhf.num_steps=3", "rlhf.max_steps=1", "rlhf.algorithm=grpo"), ws)
     assert first["steps"] == 1
@@ -235,7 +235,7 @@ def test_lora_reference_is_the_actor_with_adapters_disabled(ws):
     from transformers import AutoModelForCausalLM
 
     from rlhf_core.generation import response_logprobs as sequence_logprobs
-    from rlhf_core.rlhf.models import AdapterDisabled
+    from rlhf_core.trainers.rlhf.models import AdapterDisabled
 
     tr = _trainer(ws, "compute.lora.enabled=true", "compute.lora.r=4", "rlhf.lr=1e-2", "rlhf.num_steps=2")
     assert isinstance(tr.ref, AdapterDisabled)

@@ -72,7 +72,7 @@ def build_workspace(params, root: Path, with_rm: bool) -> None:
 def bench_rlhf(algorithm: str, iterations: int = 1, warmup: int = 1, overrides: list[str] | tuple[str, ...] = (),
                root: str | Path | None = None) -> dict:
     """Time ``warmup + iterations`` RLHF iterations; returns the per-phase breakdown of the timed ones."""
-    from rlhf_core.rlhf.trainer import RLHFTrainer
+    from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
 
     params = bench_params(algorithm, overrides)
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-") as tmp:

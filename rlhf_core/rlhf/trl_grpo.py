@@ -45,7 +45,7 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     from rlhf_core.evaluation import heldout_eval
     from rlhf_core.meta import write_json_atomic
     from rlhf_core.rewards.sources import RewardSources
-    from rlhf_core.rlhf.inputs import load_prompts
+    from rlhf_core.trainers.rlhf.inputs import load_prompts
 
     root = Path(root)
     t_start = time.perf_counter()

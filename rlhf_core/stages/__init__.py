@@ -1,6 +1,7 @@
 """The pipeline's stages, in order: the one list every caller (CLI, flow, Kubernetes Jobs) reads.
 
-Each entry maps ``rlhf stage NAME`` to the ``module:function`` taking ``(params, root, log)``;
+Each entry maps ``rlhf stage NAME`` to the ``module:function`` taking ``(params, root, log)``: the data and
+evaluation stages live here, the training stages in ``rlhf_core.trainers``;
 ``dvc.yaml`` declares the same stages with their deps and outs (``tests/test_dvc_pipeline.py`` checks
 the two agree).
 """
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 STAGES: dict[str, str] = {
     "prepare": "rlhf_core.stages.prepare:run",
-    "sft": "rlhf_core.stages.sft:run",
-    "rm": "rlhf_core.stages.rm:run",
-    "rlhf": "rlhf_core.stages.rlhf:run",
+    "sft": "rlhf_core.trainers.sft:train_sft",
+    "rm": "rlhf_core.trainers.rm:train_rm",
+    "rlhf": "rlhf_core.trainers.rlhf.trainer:train_rlhf",
     "evaluate": "rlhf_core.stages.evaluate:run",
 }
 STAGE_NAMES: tuple[str, ...] = tuple(STAGES)

@@ -4,7 +4,9 @@ Chosen and rejected rows (``prompt + response + EOS``) go through the model in o
 ``rm.loss: sequence`` (default): ``-log sigmoid(r_c - r_r - margin)`` on the scores at the last
 non-pad token; ``rm.loss: divergence``: DeepSpeed-Chat's per-token variant after the first differing token.
 Evaluation on ``eval_pairs`` before and after: pairwise accuracy, mean chosen / rejected score, margin.
-Outputs: ``models/rm/``, ``metrics/rm.json``, ``plots/rm_accuracy.csv``; checkpoints in ``checkpoints/rm/``.
+``rlhf stage rm`` reads ``data/prepared/{pairs,eval_pairs}.parquet``, ``models/base`` and (``rm.init_from: sft``)
+``models/sft``; writes ``models/rm/``, ``metrics/rm.json``, ``plots/rm_accuracy.csv``; resumable checkpoints in
+``checkpoints/rm/``. Runs in one process, or N under ``torchrun``.
 
 With ``rm.judge`` the same trainer then fits a **judge** RM with the roles of the splits swapped: trained on
 ``eval_pairs`` (which the proxy RM never sees), evaluated on ``pairs`` (which the judge never sees), into

@@ -3,7 +3,9 @@
 Prompt tokens are masked (label -100) unless ``sft.loss_on_prompt``; pad never counts.  Evaluation
 before and after training: perplexity on ``eval_sft`` (exp of the mean NLL over response tokens) and
 exact-answer accuracy of greedy completions on ``eval_prompts`` (``check_answer``).
-Outputs: ``models/sft/``, ``metrics/sft.json``, ``plots/sft_loss.csv``; checkpoints in ``checkpoints/sft/``.
+``rlhf stage sft`` reads ``data/prepared/{sft,eval_sft,eval_prompts}.parquet`` and ``models/base``; writes
+``models/sft/``, ``metrics/sft.json``, ``plots/sft_loss.csv``; resumable checkpoints in ``checkpoints/sft/``.
+Runs in one process, or N under ``torchrun --nproc_per_node N -m rlhf_core.cli stage sft``.
 """
 
 from __future__ import annotations

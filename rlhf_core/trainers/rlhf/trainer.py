@@ -1,4 +1,10 @@
-"""The RLHF trainer: PPO (actor + critic) or GRPO (actor only) on the DeepSpeed training engine.
+"""``rlhf stage rlhf``: PPO (actor + critic) or GRPO (actor only) on the DeepSpeed training engine.
+
+Reads ``models/sft`` (actor init and frozen reference), ``models/rm`` (PPO critic init; the reward model when
+``rlhf.reward_fns`` names ``rm``) and ``data/prepared/{prompts,eval_prompts}.parquet`` (``sft.parquet`` for the
+ptx loss). Writes ``models/actor/``, ``models/critic/`` (PPO with GAE), ``models/actor_ema/`` (``rlhf.ema_decay``),
+``metrics/rlhf.json`` and ``plots/rlhf_{reward,kl,response_length}.csv``; resumable checkpoints in
+``checkpoints/rlhf/``. Runs in one process, or N under ``torchrun --nproc_per_node N -m rlhf_core.cli stage rlhf``.
 
 One iteration (``RLHFTrainer.step``), in the order of CleanRL's loop::
 
@@ -33,12 +39,25 @@ from rlhf_core.engine.loop import LogFn
 from rlhf_core.engine.sampler import ResumableSampler, StepPlan
 from rlhf_core.evaluation import heldout_eval
 from rlhf_core.generation import GenerationConfig
-from rlhf_core.rlhf.algorithms import algorithm_for, compute_advantages
-from rlhf_core.rlhf.checkpoint import MultiEngineCheckpoint, checkpoint_dir
-from rlhf_core.rlhf.ema import EMA
-from rlhf_core.rlhf.experience import Experience, ExperienceMaker, MakerConfig, minibatch_plan, n_minibatches, zero_row
-from rlhf_core.rlhf.metrics import all_reduce_named, buffer_sums, curve_summary, heldout_summary, iteration_metrics
-from rlhf_core.rlhf.ppo import actor_loss, critic_loss, ptx_loss
+from rlhf_core.trainers.rlhf.algorithms import algorithm_for, compute_advantages
+from rlhf_core.trainers.rlhf.checkpoint import MultiEngineCheckpoint, checkpoint_dir
+from rlhf_core.trainers.rlhf.ema import EMA
+from rlhf_core.trainers.rlhf.experience import (
+    Experience,
+    ExperienceMaker,
+    MakerConfig,
+    minibatch_plan,
+    n_minibatches,
+    zero_row,
+)
+from rlhf_core.trainers.rlhf.metrics import (
+    all_reduce_named,
+    buffer_sums,
+    curve_summary,
+    heldout_summary,
+    iteration_metrics,
+)
+from rlhf_core.trainers.rlhf.ppo import actor_loss, critic_loss, ptx_loss
 
 STAGE = "rlhf"
 ACTOR_EMA_MODEL = Path("models/actor_ema")
@@ -72,8 +91,8 @@ class RLHFTrainer:
         from rlhf_core.engine.engine import TrainEngine
         from rlhf_core.models.loading import check_vocab_fits
         from rlhf_core.rewards.sources import RewardSources
-        from rlhf_core.rlhf.inputs import check_inputs, load_prompts, load_ptx
-        from rlhf_core.rlhf.models import load_actor, load_critic, load_reference
+        from rlhf_core.trainers.rlhf.inputs import check_inputs, load_prompts, load_ptx
+        from rlhf_core.trainers.rlhf.models import load_actor, load_critic, load_reference
 
         self.t_start = time.perf_counter()
         params, cfg, alg, compute, root = self.params, self.cfg, self.algorithm, self.params.compute, self.root
@@ -400,7 +419,10 @@ class RLHFTrainer:
 
 def train_rlhf(params: Params, root: str | Path = ".", log: LogFn | None = None,
                hooks: RLHFHooks | None = None) -> dict:
-    """Run the RLHF stage under ``root``; returns the stage metrics (also ``metrics/rlhf.json``)."""
-    trainer = RLHFTrainer(params, root, log, hooks).setup()
+    """Run the RLHF stage under ``root``; returns the stage metrics (also ``metrics/rlhf.json``). Without
+    ``hooks``, sampled responses are logged as MLflow tables (``tracking.log_table``: nothing when off)."""
+    from rlhf_core import tracking
+
+    trainer = RLHFTrainer(params, root, log, hooks or RLHFHooks(log_table=tracking.log_table)).setup()
     trainer.train()
     return trainer.finish()

@@ -14,7 +14,7 @@ import torch
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.loop import TrainState
 from rlhf_core.evaluation import hacking_suspected
-from rlhf_core.rlhf.experience import Experience, sampled_kl
+from rlhf_core.trainers.rlhf.experience import Experience, sampled_kl
 
 TIMES = ("t_generate", "t_score", "t_train", "t_step")
 

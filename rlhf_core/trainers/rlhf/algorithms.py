@@ -33,8 +33,8 @@ from rlhf_core.algos import (
     rloo_advantages,
 )
 from rlhf_core.config import RLHFConfig
-from rlhf_core.rlhf.experience import Experience
-from rlhf_core.rlhf.ppo import ActorLossConfig
+from rlhf_core.trainers.rlhf.experience import Experience
+from rlhf_core.trainers.rlhf.ppo import ActorLossConfig
 
 Baseline = Callable[[torch.Tensor], torch.Tensor]  # scores [B] in contiguous groups -> baselined scores [B]
 Advantages = Callable[[Experience, float], Experience]  # (buffer, kl_coef) -> buffer with rewards/advantages/returns

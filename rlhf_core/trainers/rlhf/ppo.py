@@ -1,5 +1,5 @@
 """The actor and critic losses on one micro-batch of experience (InstructGPT / DeepSpeed-Chat / OpenRLHF
-semantics); PPO and GRPO share the clipped surrogate (``rlhf_core.rlhf.algorithms`` picks the terms).
+semantics); PPO and GRPO share the clipped surrogate (``rlhf_core.trainers.rlhf.algorithms`` picks the terms).
 
 Actor::
 
@@ -28,7 +28,7 @@ import torch
 
 from rlhf_core.algos import kl_estimate, masked_mean, policy_loss, value_loss
 from rlhf_core.generation import response_logprobs
-from rlhf_core.rlhf.experience import Experience, sequence_values
+from rlhf_core.trainers.rlhf.experience import Experience, sequence_values
 
 
 @dataclass(frozen=True)

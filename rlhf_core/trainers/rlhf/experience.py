@@ -67,7 +67,7 @@ class Experience(PromptResponseBatch):
     """Training rows: ``sequences = cat(prompt_ids, responses)``; ``[B, R]`` tensors are over response tokens.
 
     ``scores``: sequence score ``s`` (reward sources, no-EOS penalty applied); ``baselined``: the score after
-    the algorithm's baseline ``b`` (``rlhf_core.rlhf.algorithms``: GRPO's group advantage, RLOO's
+    the algorithm's baseline ``b`` (``rlhf_core.trainers.rlhf.algorithms``: GRPO's group advantage, RLOO's
     leave-one-out score, a group-centred or the plain score), computed on whole groups before empty rows were
     dropped; ``group``: row's prompt id within the iteration.
     """
