@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -69,7 +69,7 @@ def build_meta(stage: str, params_hash: str, inputs: dict[str, str] | None = Non
         "inputs": inputs or {},
         "git_sha": git_sha(),
         "versions": versions(),
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **extra,
     }
 

@@ -11,7 +11,7 @@ not registered again (a re-run that skipped training adds no versions).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -133,7 +133,7 @@ def promote(name: str, version: str, reason: str, by: str = "gate") -> str | Non
     client = _client()
     previous = alias_version(name, CHAMPION)
     client.set_registered_model_alias(name, CHAMPION, version)
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
     client.set_model_version_tag(name, version, "rlhf.promoted_at", now)
     client.set_model_version_tag(name, version, "rlhf.promoted_by", by)
     client.set_model_version_tag(name, version, "rlhf.promotion_reason", reason)
@@ -151,7 +151,7 @@ def rollback(name: str, reason: str = "manual rollback") -> tuple[str, str]:
     if previous == "none":
         raise ValueError(f"{name} v{current} is the first champion; there is nothing to roll back to")
     client.set_registered_model_alias(name, CHAMPION, previous)
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
     client.set_model_version_tag(name, current, "rlhf.rolled_back_at", now)
     client.set_model_version_tag(name, previous, "rlhf.restored_by_rollback_from", current)
     client.set_model_version_tag(name, previous, "rlhf.rollback_reason", reason)

@@ -1,0 +1,80 @@
+"""The main command's embedded Prefect API starts on a cold, busy machine (issue: a first start timed out
+after Prefect's default 20 s while two cores were busy)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.local_pipeline import EPHEMERAL_STARTUP_TIMEOUT_S, embedded_environment
+
+REPO = Path(__file__).resolve().parents[1]
+
+FLOW = """
+import time
+from pathlib import Path
+from flows.local_pipeline import embedded_environment
+
+embedded_environment(Path({root!r}), "ws")  # as `rlhf run` does: before Prefect is imported
+from prefect import flow
+from prefect.settings import get_current_settings
+assert get_current_settings().server.ephemeral.startup_timeout_seconds == {timeout}
+
+@flow
+def hello() -> str:
+    return "ok"
+
+t0 = time.perf_counter()
+print("result", hello(), round(time.perf_counter() - t0, 1))
+"""
+
+
+def test_embedded_environment_gives_the_ephemeral_server_time_and_the_user_wins(tmp_path, monkeypatch):
+    for key in ("PREFECT_HOME", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"):
+        monkeypatch.delenv(key, raising=False)
+    embedded_environment(tmp_path, "ws")
+    assert os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] == str(EPHEMERAL_STARTUP_TIMEOUT_S)
+    assert os.environ["PREFECT_HOME"] == str((tmp_path / "ws" / "prefect").resolve())
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "45")
+    embedded_environment(tmp_path, "ws")
+    assert os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] == "45"
+
+
+def test_the_embedded_environment_is_set_before_prefect_reads_its_settings():
+    """Prefect caches its settings at import: importing the module that sets them must not import Prefect."""
+    code = "import sys, flows.local_pipeline; print('prefect' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _burn(seconds: float) -> None:  # pragma: no cover - runs in a child process
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@pytest.mark.slow
+def test_cold_start_of_the_embedded_prefect_server_under_cpu_load(tmp_path):
+    """A fresh Prefect home (the database is created and migrated) while every core is busy: the flow runs."""
+    import multiprocessing as mp
+
+    burners = [mp.Process(target=_burn, args=(240.0,), daemon=True) for _ in range(os.cpu_count() or 2)]
+    for b in burners:
+        b.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env["PYTHONPATH"] = str(REPO)
+        code = FLOW.format(root=str(tmp_path), timeout=EPHEMERAL_STARTUP_TIMEOUT_S)
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=EPHEMERAL_STARTUP_TIMEOUT_S + 120)
+    finally:
+        for b in burners:
+            b.terminate()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "result ok" in proc.stdout
+    assert (tmp_path / "ws" / "prefect").is_dir()  # the home the embedded default chose, created cold
