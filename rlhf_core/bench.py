@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rlhf_core.config import ComputeConfig, OptimConfig
+from rlhf_core.config import ComputeConfig, EpochConfig
 
 
 @dataclass
@@ -161,7 +161,7 @@ def run_bench(kind: str = "sft", hidden: int = 512, layers: int = 6, heads: int 
     total_steps = warmup + steps
     data = _data(kind, batch * total_steps * D.world_size(), seq, vocab)
     compute = ComputeConfig(zero_stage=zero_stage, num_threads=threads)
-    optim = OptimConfig(lr=1e-4, warmup_steps=0, epochs=1, micro_batch_size=batch, lr_scheduler="constant")
+    optim = EpochConfig(lr=1e-4, warmup_steps=0, epochs=1, micro_batch_size=batch, lr_scheduler="constant")
     plan = StepPlan(len(data), batch, 1, D.world_size(), 1)
     if kind == "sft":
         collate, loss_fn = (lambda idx: collate_sft(data, idx, 0)), sft_loss

@@ -27,14 +27,14 @@ console = Console(stderr=True)
 SET_HELP = "Override a param, e.g. -S data.max_prompt_len=128 (repeatable; value parsed as YAML)."
 
 
-def _fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> None:
     console.print(f"[red]error:[/red] {message}", highlight=False)
     raise typer.Exit(code)
 
 
 def resolve_stage(name: str):
     if name not in STAGES:
-        _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+        fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     module, func = STAGES[name].split(":")
     return getattr(importlib.import_module(module), func)
 
@@ -68,7 +68,7 @@ def stage_cmd(
     try:
         params = load_params(params_file, set_)
     except ConfigError as err:
-        _fail(str(err))
+        fail(str(err))
     from rlhf_core import tracking
     from rlhf_core.data.readers import DataError
     from rlhf_core.progress import StageProgress
@@ -83,9 +83,9 @@ def stage_cmd(
 
             result = fn(params, Path("."), log)
     except tracking.TrackingUnavailable as err:
-        _fail(str(err), code=3)
+        fail(str(err), code=3)
     except (DataError, ConfigError, ValueError) as err:
-        _fail(f"stage {name}: {err}", code=1)
+        fail(f"stage {name}: {err}", code=1)
     if isinstance(result, dict) and "counts" in result:
         console.print(f"[green]{name} done[/green]: {json.dumps(result['counts'])}", highlight=False)
 
@@ -104,7 +104,7 @@ def params_check(
     try:
         params = load_params(params_file, set_)
     except ConfigError as err:
-        _fail(str(err))
+        fail(str(err))
     sys.stdout.write(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
 
 

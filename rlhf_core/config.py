@@ -177,7 +177,13 @@ class OptimConfig(_Section):
     keep_checkpoints: int = Field(1, ge=1, description="Checkpoints kept per stage (oldest deleted first).")
 
 
-class SFTConfig(OptimConfig):
+class EpochConfig(OptimConfig):
+    """An optimiser section that passes over a fixed dataset (SFT, RM); RL counts rollout iterations instead."""
+
+    epochs: int = Field(1, ge=1, description="Passes over the training rows.")
+
+
+class SFTConfig(EpochConfig):
     loss_on_prompt: bool = Field(False, description="Train on prompt tokens too (DeepSpeed-Chat style).")
     packing: bool = Field(False, description="Pack short examples into full-length rows.")
     max_length: int | None = Field(
@@ -187,7 +193,7 @@ class SFTConfig(OptimConfig):
     save_every: int = Field(100, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
 
 
-class RMConfig(OptimConfig):
+class RMConfig(EpochConfig):
     init_from: Literal["sft", "base"] = Field("sft", description="Initialise the backbone from SFT or base.")
     margin: float = Field(0.0, ge=0.0, description="Margin m in -log sigmoid(r_c - r_r - m).")
     loss: Literal["sequence", "divergence"] = Field(

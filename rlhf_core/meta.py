@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
-import tempfile
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
+
+from rlhf_core.atomic import write_json_atomic
 
 META_FILE = "rlhf_meta.json"
 _PACKAGES = ("rlhf-ops", "torch", "transformers", "deepspeed", "datasets", "peft", "tokenizers")
@@ -49,17 +49,6 @@ def dir_sha256(path: str | Path) -> str:
         h.update(f.relative_to(root).as_posix().encode())
         h.update(file_sha256(f).encode())
     return h.hexdigest()
-
-
-def write_json_atomic(path: str | Path, data: dict) -> None:
-    """Write JSON through a temp file + rename so a crash never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    os.replace(tmp, path)
 
 
 def build_meta(stage: str, params_hash: str, inputs: dict[str, str] | None = None, **extra) -> dict:

@@ -11,10 +11,10 @@ from rlhf_core.data.collate import (
     PromptTooLongError,
     Ragged,
     TokenizedSequences,
-    _concat_rows,
     build_sft_data,
     collate_pairs,
     collate_sft,
+    concat_rows,
     keep_last_tokens,
     left_pad_prompts,
 )
@@ -25,7 +25,7 @@ PAD, EOS = 0, 2
 def seqs(prompts, responses, max_length=100):
     """TokenizedSequences from token lists (responses already end with EOS)."""
     p, r = Ragged.from_lists(prompts), Ragged.from_lists(responses)
-    tokens, from_r = _concat_rows(p, r, max_length)
+    tokens, from_r = concat_rows(p, r, max_length)
     truncated = int((p.lengths + r.lengths > max_length).sum())
     return TokenizedSequences(tokens, from_r, p.lengths, truncated)
 

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from rlhf_core.algos import pairwise_rm_loss
-from rlhf_core.config import ComputeConfig, OptimConfig
+from rlhf_core.algos import divergence_rm_loss, gather_last, last_valid_index, pairwise_rm_loss, token_nll
+from rlhf_core.atomic import atomic_dir
+from rlhf_core.config import ComputeConfig, EpochConfig, OptimConfig
 from rlhf_core.engine import (
     CheckpointManager,
     Hooks,
@@ -19,12 +20,10 @@ from rlhf_core.engine import (
     TrainEngine,
     TrainState,
     WarmupDecay,
-    atomic_dir,
     build_ds_config,
     fit,
 )
-from rlhf_core.models import RewardScorer, ValueHeadModel, gather_last, last_valid_index
-from rlhf_core.trainers.losses import divergence_rm_loss, token_nll
+from rlhf_core.models import RewardScorer, ValueHeadModel
 
 VOCAB = 40
 
@@ -153,7 +152,7 @@ def lm_loss(engine, batch):
 
 def run_loop(root, steps_before_crash=None, save_every=2, loss_fn=lm_loss, resume=True, dropout=0.1):
     """Train the tiny LM; returns (losses by step, micro-batches seen, state)."""
-    optim = OptimConfig(lr=5e-3, warmup_steps=2, epochs=3, micro_batch_size=4, grad_accum=2, save_every=save_every)
+    optim = EpochConfig(lr=5e-3, warmup_steps=2, epochs=3, micro_batch_size=4, grad_accum=2, save_every=save_every)
     compute = ComputeConfig(zero_stage=0)
     plan = StepPlan(N_EXAMPLES, optim.micro_batch_size, optim.grad_accum, 1, optim.epochs)
     model = tiny_llama()

@@ -21,10 +21,13 @@ from rlhf_core.algos.kl import (
     kl_penalized_rewards,
 )
 from rlhf_core.algos.losses import (
+    IGNORE_INDEX,
+    divergence_rm_loss,
     entropy_from_logits,
     logprobs_from_logits,
     pairwise_rm_loss,
     policy_loss,
+    token_nll,
     value_loss,
 )
 from rlhf_core.algos.masking import (
@@ -38,11 +41,13 @@ from rlhf_core.algos.masking import (
 )
 
 __all__ = [
+    "IGNORE_INDEX",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
     "as_bool_mask",
     "discounted_cumsum",
+    "divergence_rm_loss",
     "entropy_from_logits",
     "gae",
     "gather_last",
@@ -59,5 +64,6 @@ __all__ = [
     "policy_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "token_nll",
     "value_loss",
 ]

@@ -1,5 +1,5 @@
-"""Losses and per-token quantities from logits: clipped PPO policy/value losses, pairwise reward-model loss,
-log-probabilities and entropy.
+"""Losses and per-token quantities from logits: clipped PPO policy/value losses, pairwise reward-model losses
+(sequence and DeepSpeed-Chat's per-token divergence), the SFT token NLL, log-probabilities and entropy.
 
 Losses return ``(loss, stats)``: ``loss`` is a differentiable 0-dim tensor and ``stats`` a dict of detached
 0-dim tensors (no host synchronisation; call ``.item()`` when logging).
@@ -13,12 +13,17 @@ import torch.nn.functional as F
 from rlhf_core.algos.masking import as_bool_mask, masked_mean
 
 __all__ = [
+    "IGNORE_INDEX",
+    "divergence_rm_loss",
     "entropy_from_logits",
     "logprobs_from_logits",
     "pairwise_rm_loss",
     "policy_loss",
+    "token_nll",
     "value_loss",
 ]
+
+IGNORE_INDEX = -100  # label of positions that carry no loss (PyTorch's cross-entropy default)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -183,3 +188,40 @@ def pairwise_rm_loss(
             "margin_mean": diff.mean(),
         }
     return loss, stats
+
+
+# --------------------------------------------------------------------------- SFT and reward-model losses
+def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row summed NLL and token count of a causal LM: logits at ``t`` score ``labels[t + 1]``.
+
+    ``logits [B, T, V]``, ``labels [B, T]`` with ``-100`` on ignored positions -> (``[B]``, ``[B]``).
+    """
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+                          ignore_index=IGNORE_INDEX, reduction="none").view_as(shift_labels)
+    valid = shift_labels != IGNORE_INDEX
+    return (nll * valid).sum(-1), valid.sum(-1)
+
+
+def divergence_rm_loss(chosen_values: torch.Tensor, rejected_values: torch.Tensor, chosen_ids: torch.Tensor,
+                       rejected_ids: torch.Tensor, chosen_mask: torch.Tensor, rejected_mask: torch.Tensor,
+                       margin: float = 0.0) -> torch.Tensor:
+    """DeepSpeed-Chat's per-token pairwise loss (``RewardModel.forward``), vectorised over the batch.
+
+    For pair ``i`` with right-padded rows: ``d`` = first position where the chosen and rejected ids
+    differ, ``end`` = max of the two lengths; the loss is the mean over ``d <= t < end`` of
+    ``-log sigmoid(v_c[t] - v_r[t] - m)``, averaged over pairs.  Identical pairs use ``t = end - 1`` only.
+    """
+    T = chosen_ids.shape[1]
+    pos = torch.arange(T, device=chosen_ids.device).unsqueeze(0)
+    c_len, r_len = chosen_mask.sum(-1), rejected_mask.sum(-1)
+    end = torch.maximum(c_len, r_len)
+    differs = (chosen_ids != rejected_ids) & (pos < end[:, None])
+    has_div = differs.any(-1)
+    first = torch.argmax(differs.to(torch.int8), dim=-1)
+    start = torch.where(has_div, first, end - 1)
+    window = (pos >= start[:, None]) & (pos < end[:, None])
+    per_token = -F.logsigmoid(chosen_values.float() - rejected_values.float() - margin)
+    per_pair = (per_token * window).sum(-1) / window.sum(-1).clamp(min=1)
+    return per_pair.mean()

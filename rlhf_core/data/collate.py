@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
-
+from rlhf_core.algos.losses import IGNORE_INDEX
 
 # --------------------------------------------------------------------------- ragged storage
 @dataclass
@@ -79,7 +78,7 @@ class Ragged:
         return Ragged.from_lengths(padded[valid], self.lengths[idx])
 
 
-def _concat_rows(a: Ragged, b: Ragged, max_length: int) -> tuple[Ragged, torch.Tensor]:
+def concat_rows(a: Ragged, b: Ragged, max_length: int) -> tuple[Ragged, torch.Tensor]:
     """Row-wise ``a[i] + b[i]`` cut to ``max_length``; also returns a per-token bool 'comes from b'."""
     la, lb = a.lengths, b.lengths
     total = torch.clamp(la + lb, max=max_length)
@@ -124,7 +123,7 @@ def encode_responses(tokenizer, responses: Sequence[str]) -> Ragged:
     r = Ragged.from_lists(ids)
     eos = Ragged.from_lengths(torch.full((len(r),), tokenizer.eos_token_id, dtype=torch.long),
                               torch.ones(len(r), dtype=torch.long))
-    out, _ = _concat_rows(r, eos, max_length=1 << 30)
+    out, _ = concat_rows(r, eos, max_length=1 << 30)
     return out
 
 
@@ -169,7 +168,7 @@ def encode_sequences(tokenizer, prompts: Sequence[str], responses: Sequence[str]
     r = encode_responses(tokenizer, responses)
     check_prompt_room(p.lengths, max_length, source, key, ids)
     cut = p.lengths + r.lengths > max_length
-    tokens, from_response = _concat_rows(p, r, max_length)
+    tokens, from_response = concat_rows(p, r, max_length)
     if keep_eos and cut.any():
         last = tokens.offsets[1:][cut] - 1
         tokens.flat[last] = tokenizer.eos_token_id

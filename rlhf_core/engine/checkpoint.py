@@ -14,21 +14,17 @@ one in force.  A fingerprint mismatch (changed params or data) starts training a
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from rlhf_core.atomic import write_json_atomic, write_text_atomic
 from rlhf_core.engine import distributed as D
-from rlhf_core.meta import write_json_atomic
 
 LATEST = "latest"
 FINGERPRINT = "fingerprint.json"
@@ -48,13 +44,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 class CheckpointManager:
@@ -105,7 +94,7 @@ class CheckpointManager:
         D.barrier()
         if D.is_main():
             write_json_atomic(self.dir / tag / TRAINER_STATE, trainer_state)
-            _write_text_atomic(self.dir / LATEST, tag)
+            write_text_atomic(self.dir / LATEST, tag)
             self._prune(keep_tag=tag)
         D.barrier()
         return str(self.dir / tag)
@@ -126,32 +115,3 @@ class CheckpointManager:
         stale = [t for t in tags if t != keep_tag][: max(0, len(tags) - self.keep)]
         for t in stale:
             shutil.rmtree(self.dir / t, ignore_errors=True)
-
-
-def make_temp_dir(target: str | Path) -> Path:
-    """A fresh temp dir next to ``target`` (same filesystem, so ``commit_dir`` is a rename)."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
-
-
-def commit_dir(tmp: str | Path, target: str | Path) -> None:
-    """Replace ``target`` by ``tmp``: the old directory is moved aside, the new one renamed in, the old removed."""
-    tmp, target = Path(tmp), Path(target)
-    old = target.with_name(f".{target.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        target.rename(old)
-    tmp.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def atomic_dir(target: str | Path) -> Iterator[Path]:
-    """Yield a temp dir next to ``target``; on success it replaces ``target`` by rename (else it is removed)."""
-    tmp = make_temp_dir(target)
-    try:
-        yield tmp
-        commit_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -93,10 +93,6 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return t.cpu()
 
 
-def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
-    return all_reduce_sum(values) / world_size()
-
-
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if world_size() == 1:
         return obj

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.data.collate import Ragged, _concat_rows, encode_prompts, encode_sequences
+from rlhf_core.data.collate import Ragged, concat_rows, encode_prompts, encode_sequences
 from rlhf_core.models.value_head import ValueHeadModel
 
 
@@ -61,7 +61,7 @@ class RewardScorer:
         toks = encode_prompts(self.tokenizer, texts)
         eos = Ragged.from_lengths(torch.full((len(toks),), self.tokenizer.eos_token_id, dtype=torch.long),
                                   torch.ones(len(toks), dtype=torch.long))
-        rows, _ = _concat_rows(toks, eos, int(self.max_length))
+        rows, _ = concat_rows(toks, eos, int(self.max_length))
         rows.flat[rows.offsets[1:] - 1] = self.tokenizer.eos_token_id  # a cut text is scored at an EOS too
         return self._score_ragged(rows)
 

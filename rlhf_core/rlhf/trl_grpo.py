@@ -41,9 +41,9 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_core import paths
+    from rlhf_core.atomic import write_json_atomic
     from rlhf_core.data.tokenizer import load_tokenizer
     from rlhf_core.evaluation import heldout_eval
-    from rlhf_core.meta import write_json_atomic
     from rlhf_core.rewards.sources import RewardSources
     from rlhf_core.trainers.rlhf.inputs import load_prompts
 

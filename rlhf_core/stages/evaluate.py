@@ -30,9 +30,10 @@ import pandas as pd
 import torch
 
 from rlhf_core import paths, tracking
+from rlhf_core.atomic import write_json_atomic
 from rlhf_core.config import Params
 from rlhf_core.evaluation import HeldOut, answer_batches, sequence_kl
-from rlhf_core.meta import dir_sha256, write_json_atomic
+from rlhf_core.meta import dir_sha256
 from rlhf_core.rewards import check_answer
 from rlhf_core.rewards.sources import RM_SOURCE, RewardSources
 

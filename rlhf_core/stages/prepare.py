@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rlhf_core import paths
+from rlhf_core.atomic import write_json_atomic
 from rlhf_core.config import ColumnMap, Params, SourceConfig
 from rlhf_core.data.normalize import normalize_rows
 from rlhf_core.data.readers import DataError, read_file, read_hf
@@ -29,7 +30,7 @@ from rlhf_core.data.tokenizer import (
     tiny_model_config,
     train_demo_tokenizer,
 )
-from rlhf_core.meta import build_meta, file_sha256, write_json_atomic, write_meta
+from rlhf_core.meta import build_meta, file_sha256, write_meta
 from rlhf_core.rewards import demo_task
 
 PHASE_COLUMNS = {

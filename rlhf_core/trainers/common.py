@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import csv
 import io
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from rlhf_core import paths
-from rlhf_core.config import OptimConfig, Params
+from rlhf_core.atomic import commit_dir, make_temp_dir, write_json_atomic, write_text_atomic
+from rlhf_core.config import EpochConfig, OptimConfig, Params
 from rlhf_core.data.readers import DataError
 from rlhf_core.engine import distributed as D
-from rlhf_core.engine.checkpoint import CheckpointManager, commit_dir, make_temp_dir
+from rlhf_core.engine.checkpoint import CheckpointManager
 from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.engine.sampler import StepPlan
-from rlhf_core.meta import build_meta, dir_sha256, file_sha256, write_json_atomic, write_meta
+from rlhf_core.meta import build_meta, dir_sha256, file_sha256, write_meta
 
 # Keys of a stage section that do not change what is trained (excluded from the resume fingerprint).
 _NON_TRAINING_KEYS = ("save_every", "log_every", "resume", "keep_checkpoints")
@@ -92,11 +91,7 @@ def write_curve(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
     w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     w.writerows(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(buf.getvalue())
-    os.replace(tmp, path)
+    write_text_atomic(path, buf.getvalue())
 
 
 def save_final(engine: TrainEngine, target: Path, save_fn: Callable, tokenizer, meta: dict) -> None:
@@ -128,7 +123,7 @@ def stage_meta(stage: str, params: Params, inputs: dict[str, str], **extra) -> d
     return build_meta(stage, params.section_hash("project", "data", "model", "compute", stage), inputs, **extra)
 
 
-def build_engine(params: Params, section: OptimConfig, key: str, n_rows: int, build_model: Callable, init_source: str,
+def build_engine(params: Params, section: EpochConfig, key: str, n_rows: int, build_model: Callable, init_source: str,
                  tokenizer, max_length: int) -> tuple[StepPlan, TrainEngine]:
     """The step plan over ``n_rows`` and a DeepSpeed engine around ``build_model()`` (built under ZeRO-3's init
     context when used), after checking that the tokenizer fits the model's vocab and ``max_length`` (the

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core import paths
-from rlhf_core.algos import pairwise_rm_loss
+from rlhf_core.algos import divergence_rm_loss, pairwise_rm_loss
 from rlhf_core.config import Params
 from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
 from rlhf_core.engine import distributed as D
@@ -47,7 +47,6 @@ from rlhf_core.trainers.common import (
     run_metrics,
     stage_meta,
 )
-from rlhf_core.trainers.losses import divergence_rm_loss
 
 STAGE = "rm"
 PAIR_COLUMNS = ("id", "prompt", "chosen", "rejected")

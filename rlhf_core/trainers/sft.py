@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core import paths
+from rlhf_core.algos import token_nll
 from rlhf_core.config import Params
 from rlhf_core.data.collate import (
     SFTData,
@@ -47,7 +48,6 @@ from rlhf_core.trainers.common import (
     run_metrics,
     stage_meta,
 )
-from rlhf_core.trainers.losses import token_nll
 
 STAGE = "sft"
 

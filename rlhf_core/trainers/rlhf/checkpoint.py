@@ -20,16 +20,15 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.atomic import write_json_atomic, write_text_atomic
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.checkpoint import (
     LATEST,
     TRAINER_STATE,
     CheckpointManager,
-    _write_text_atomic,
     rng_state,
     set_rng_state,
 )
-from rlhf_core.meta import write_json_atomic
 
 EMA_FILE = "ema.pt"
 
@@ -48,7 +47,7 @@ class MultiEngineCheckpoint(CheckpointManager):
         D.barrier()
         if D.is_main():
             write_json_atomic(tag_dir / TRAINER_STATE, trainer_state)
-            _write_text_atomic(self.dir / LATEST, tag)
+            write_text_atomic(self.dir / LATEST, tag)
             self._prune(keep_tag=tag)
         D.barrier()
         return str(tag_dir)

@@ -354,7 +354,7 @@ class RLHFTrainer:
     # ------------------------------------------------------------------ outputs
     def finish(self) -> dict:
         """Final evaluation, models (actor, critic, EMA) in HF format, metrics and plots (rank 0 writes)."""
-        from rlhf_core.meta import write_json_atomic
+        from rlhf_core.atomic import write_json_atomic
         from rlhf_core.trainers.common import write_curve
 
         final = self.heldout_eval(self.actor.module) if self.do_eval else {}
@@ -407,7 +407,7 @@ class RLHFTrainer:
         D.barrier()
 
     def _save_plain(self, model, target: Path, meta: dict) -> None:
-        from rlhf_core.engine.checkpoint import atomic_dir
+        from rlhf_core.atomic import atomic_dir
         from rlhf_core.meta import write_meta
         from rlhf_core.models.loading import save_causal_lm
 
