@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from rlhf_core.cli import SET_HELP, _fail, app, console
+from rlhf_core.cli import SET_HELP, app, console, fail
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 
 STAGES_HELP = "Stages to run (repeatable); default: every stage in dvc.yaml."
@@ -28,7 +28,7 @@ def _prepare_environment(params_file: Path):
     try:
         params = load_params(params_file)
     except ConfigError as err:
-        _fail(str(err))
+        fail(str(err))
     embedded_environment(Path("."), params.project.workspace)
     return params, ensure_dvc
 
@@ -77,7 +77,7 @@ def run_cmd(
     try:
         check_reachable(tracking_uri(params))  # before anything else: no training without tracking
     except TrackingUnavailable as err:
-        _fail(str(err), code=3)
+        fail(str(err), code=3)
     if backend == "local":
         ensure_dvc(Path("."), params.project.workspace)
     from flows.pipeline import rlhf_pipeline
@@ -86,11 +86,11 @@ def run_cmd(
         summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend, promote=promote,
                                 force=force)
     except TrackingUnavailable as err:
-        _fail(str(err), code=3)
+        fail(str(err), code=3)
     except ConfigError as err:
-        _fail(str(err))
+        fail(str(err))
     except Exception as err:  # a failed stage or task: Prefect has logged the details
-        _fail(f"pipeline failed: {err}", code=1)
+        fail(f"pipeline failed: {err}", code=1)
     print_summary(summary)
     if strict_gate and summary.get("gate") and not summary["gate"]["passed"]:
         raise typer.Exit(4)
@@ -112,12 +112,12 @@ def register_cmd(
     try:
         tracking.setup(params)
     except tracking.TrackingUnavailable as err:
-        _fail(str(err), code=3)
+        fail(str(err), code=3)
     prefix = tracking.registry_prefix(params)
     lineage = tracking.lineage_tags(params, "register")
     for kind in kinds:
         if kind not in MODEL_DIRS:
-            _fail(f"unknown kind {kind!r}; expected actor, critic or reward")
+            fail(f"unknown kind {kind!r}; expected actor, critic or reward")
         if not MODEL_DIRS[kind].is_dir():
             console.print(f"skip {kind}: {MODEL_DIRS[kind]} does not exist")
             continue
@@ -163,7 +163,7 @@ def rollback_cmd(
     try:
         current, previous = rollback(name, reason)
     except ValueError as err:
-        _fail(str(err), code=1)
+        fail(str(err), code=1)
     console.print(f"{name}: champion v{current} -> v{previous}")
 
 
@@ -203,7 +203,7 @@ def k8s_render(
 
     Example: rlhf k8s render sft --gpus 8 | kubectl apply -f -
     """
-    from tasks.k8s_jobs import main_render
+    from tasks.k8s.render import main_render
 
     kw = {k: v for k, v in {"gpus": gpus, "nproc_per_node": nproc_per_node, "image": image}.items() if v is not None}
     if kind == "job" or nnodes != 1:
@@ -211,7 +211,7 @@ def k8s_render(
     try:
         sys.stdout.write(main_render(stage, kind=kind, namespace=namespace, **kw))
     except ValueError as err:
-        _fail(str(err))
+        fail(str(err))
 
 
 @k8s_app.command("write-manifests")
@@ -220,7 +220,7 @@ def k8s_write_manifests(check: bool = typer.Option(False, "--check", help="Only 
 
     Example: rlhf k8s write-manifests --check
     """
-    from tasks.k8s_jobs import write_manifests
+    from tasks.k8s.manifests import write_manifests
 
     stale = write_manifests(".", check=check)
     for path in stale:

@@ -2,7 +2,7 @@
 
 Local backend: ``dvc repro --single-item STAGE`` in the workspace, so DVC
 decides whether the stage is up to date (skipped) and records its outputs.
-Kubernetes backend: the stage's Job (``tasks.k8s_jobs``), the same
+Kubernetes backend: the stage's Job (``tasks.k8s``), the same
 ``rlhf stage NAME`` command in the GPU image.  Stage output is streamed into
 the Prefect logs line by line.  Retries back off exponentially; a retried
 training stage resumes from its checkpoint.
@@ -75,7 +75,7 @@ def run_stage(stage: str, root: str = ".", backend: str = "local", env: dict[str
     if backend == "local":
         status = dvc_repro_stage(stage, root_path, stage_env(env), force, logger.info)
     elif backend == "kubernetes":
-        from tasks.k8s_jobs import submit_stage_job
+        from tasks.k8s.submit import submit_stage_job
 
         submit_stage_job(stage, env=env, log=logger.info, **(k8s or {}))
         status = "ran"

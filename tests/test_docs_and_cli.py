@@ -67,12 +67,13 @@ def test_help_has_examples(tmp_path):
 def test_k8s_render_cli_prints_the_submitted_manifest(tmp_path):
     import yaml
 
-    from tasks.k8s_jobs import render_stage_resources
+    from tasks.k8s.options import StageJobOptions
+    from tasks.k8s.render import render_stage_resources
 
     proc = _rlhf("k8s", "render", "sft", "--gpus", "2", "--nnodes", "2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     docs = list(yaml.safe_load_all(proc.stdout))
-    assert docs == render_stage_resources("sft", gpus=2, nnodes=2)
+    assert docs == render_stage_resources(StageJobOptions("sft", gpus=2, nnodes=2))
     assert [d["kind"] for d in docs] == ["Service", "Job"]
     proc = _rlhf("k8s", "render", "nope", cwd=tmp_path)
     assert proc.returncode == 2 and "nope" in proc.stderr

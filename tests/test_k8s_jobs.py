@@ -1,4 +1,4 @@
-"""tasks/k8s_jobs.py: rendering rules, and submission through the real ``kubernetes`` client.
+"""tasks/k8s/: rendering rules, and submission through the real ``kubernetes`` client.
 
 Submission tests run the real ``BatchV1Api`` / ``CoreV1Api`` (request building, model serialisation,
 response deserialisation) over an ``ApiClient`` whose ``rest_client.request`` is replaced by a fake
@@ -19,7 +19,10 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from tasks import k8s_jobs as kj
+from rlhf_core.stages import STAGE_NAMES
+from tasks.k8s import manifests, names, submit
+from tasks.k8s.options import StageJobOptions
+from tasks.k8s.render import main_render, render_stage_job, render_stage_resources
 
 REPO = Path(__file__).resolve().parents[1]
 k8s_client = pytest.importorskip("kubernetes.client", reason="kubernetes is in the [dev] / [k8s] extras")
@@ -99,7 +102,7 @@ def apis(cluster: FakeCluster):
 
 def pod(name: str, *, index: str | None = None, terminated: dict | None = None, phase: str = "Running",
         reason: str | None = None) -> dict:
-    annotations = {kj.COMPLETION_INDEX_ANNOTATION: index} if index is not None else {}
+    annotations = {names.COMPLETION_INDEX_ANNOTATION: index} if index is not None else {}
     status: dict = {"phase": phase}
     if terminated:
         status["containerStatuses"] = [{"name": "rlhf", "ready": False, "restartCount": 0, "image": "x",
@@ -132,12 +135,12 @@ def test_submit_posts_the_rendered_job_and_streams_logs():
     batch, core = apis(cluster)
     lines: list[str] = []
     env = {"RLHF_PARENT_RUN_ID": "run-123", "MLFLOW_TRACKING_URI": "http://mlflow.example:5000"}
-    result = kj.submit_stage_job("sft", name="rlhf-sft-t1", env=env, batch_api=batch, core_api=core,
+    result = submit.submit_stage_job("sft", name="rlhf-sft-t1", env=env, batch_api=batch, core_api=core,
                                  poll_s=0, log=lines.append)
 
     posts = [r for r in cluster.requests if r.method == "POST"]
     assert [r.path for r in posts] == [f"/apis/batch/v1/namespaces/{NS}/jobs"]
-    expected = kj.render_stage_job("sft", name="rlhf-sft-t1", env=env, seed_params=False)
+    expected = render_stage_job(StageJobOptions("sft", name="rlhf-sft-t1", env=env, seed_params=False))
     assert posts[0].body == expected  # the serialised V1Job is exactly the rendered manifest
     body_env = posts[0].body["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.example:5000"} in body_env
@@ -164,12 +167,12 @@ def test_submit_multi_node_creates_headless_service_owned_by_the_job():
                                                         pod("rlhf-rm-t2-0-y", index="0")],
                           logs=["2025-01-01T00:00:02Z rank0 line\n"])
     batch, core = apis(cluster)
-    kj.submit_stage_job("rm", name="rlhf-rm-t2", nnodes=2, gpus=4, batch_api=batch, core_api=core, poll_s=0,
+    submit.submit_stage_job("rm", name="rlhf-rm-t2", nnodes=2, gpus=4, batch_api=batch, core_api=core, poll_s=0,
                         log=lambda _: None)
     posts = [r for r in cluster.requests if r.method == "POST"]
     assert [r.path for r in posts] == [f"/apis/batch/v1/namespaces/{NS}/jobs", f"/api/v1/namespaces/{NS}/services"]
     job, svc = posts[0].body, posts[1].body
-    assert job == kj.render_stage_job("rm", name="rlhf-rm-t2", nnodes=2, gpus=4, seed_params=False)
+    assert job == render_stage_job(StageJobOptions("rm", name="rlhf-rm-t2", nnodes=2, gpus=4, seed_params=False))
     assert svc["metadata"]["ownerReferences"] == [{"apiVersion": "batch/v1", "kind": "Job", "name": "rlhf-rm-t2",
                                                    "uid": JOB_UID}]
     assert svc["spec"]["clusterIP"] == "None" and job["spec"]["template"]["spec"]["subdomain"] == "rlhf-rm-t2"
@@ -185,8 +188,8 @@ def test_failed_job_raises_with_the_pods_termination_reason():
                               "finishedAt": "2025-01-01T00:05:00Z"})],
         logs=["2025-01-01T00:00:02Z loading actor\n2025-01-01T00:04:59Z rollout batch 17\n"])
     batch, core = apis(cluster)
-    with pytest.raises(kj.StageJobFailed) as info:
-        kj.submit_stage_job("rlhf", name="rlhf-rlhf-t3", batch_api=batch, core_api=core, poll_s=0,
+    with pytest.raises(submit.StageJobFailed) as info:
+        submit.submit_stage_job("rlhf", name="rlhf-rlhf-t3", batch_api=batch, core_api=core, poll_s=0,
                             log=lambda _: None)
     err = info.value
     assert err.pod_reason == "OOMKilled" and err.exit_code == 137 and err.reason == "BackoffLimitExceeded"
@@ -204,27 +207,27 @@ def test_failed_job_with_evicted_pod_names_the_pod_reason():
         pod("rlhf-sft-t5-a", phase="Failed", terminated={"exitCode": 1, "reason": "Error"}),
         pod("rlhf-sft-t5-b", phase="Failed", reason="DeadlineExceeded")])
     batch, core = apis(cluster)
-    with pytest.raises(kj.StageJobFailed, match="rlhf-sft-t5-b: DeadlineExceeded"):
-        kj.submit_stage_job("sft", name="rlhf-sft-t5", batch_api=batch, core_api=core, poll_s=0, log=lambda _: None)
+    with pytest.raises(submit.StageJobFailed, match="rlhf-sft-t5-b: DeadlineExceeded"):
+        submit.submit_stage_job("sft", name="rlhf-sft-t5", batch_api=batch, core_api=core, poll_s=0, log=lambda _: None)
 
 
 def test_timeout_deletes_the_job():
     cluster = FakeCluster(job_states=[RUNNING])
     batch, core = apis(cluster)
-    with pytest.raises(kj.StageJobTimeout, match="still running"):
-        kj.submit_stage_job("evaluate", name="rlhf-evaluate-t4", batch_api=batch, core_api=core, poll_s=0,
+    with pytest.raises(submit.StageJobTimeout, match="still running"):
+        submit.submit_stage_job("evaluate", name="rlhf-evaluate-t4", batch_api=batch, core_api=core, poll_s=0,
                             timeout_s=0, log=lambda _: None)
     (delete,) = [r for r in cluster.requests if r.method == "DELETE"]
     assert delete.path == f"/apis/batch/v1/namespaces/{NS}/jobs/rlhf-evaluate-t4"
     assert delete.query["propagationPolicy"] == "Background"
 
 
-@pytest.mark.parametrize("stage", kj.STAGES)
+@pytest.mark.parametrize("stage", STAGE_NAMES)
 def test_client_model_round_trip_is_lossless(stage):
     """Every field we render is known to the client's models (an unknown one would be dropped silently)."""
     api_client = k8s_client.ApiClient()
     for kw in ({}, {"gpus": 0}, {"nnodes": 2, "gpus": 2} if stage != "prepare" else {"gpus": 2}):
-        for doc in kj.render_stage_resources(stage, **kw):
+        for doc in render_stage_resources(StageJobOptions(stage, **kw)):
             model = getattr(k8s_client, f"V1{doc['kind']}")
             assert api_client.sanitize_for_serialization(model.from_dict(doc)) == doc
 
@@ -237,23 +240,25 @@ def _container(job):
 
 
 def test_commands():
-    assert _container(kj.render_stage_job("sft"))["command"] == ["rlhf", "stage", "sft"]
-    assert _container(kj.render_stage_job("sft", gpus=4))["command"] == [
+    assert _container(render_stage_job(StageJobOptions("sft")))["command"] == ["rlhf", "stage", "sft"]
+    assert _container(render_stage_job(StageJobOptions("sft", gpus=4)))["command"] == [
         "torchrun", "--standalone", "--nproc_per_node=4", "-m", "rlhf_core.cli", "stage", "sft"]
-    assert _container(kj.render_stage_job("rm", gpus=8, nnodes=3, name="big"))["command"] == [
+    assert _container(render_stage_job(StageJobOptions("rm", gpus=8, nnodes=3, name="big")))["command"] == [
         "torchrun", "--nnodes=3", "--nproc_per_node=8", "--node_rank=$(JOB_COMPLETION_INDEX)",
         "--master_addr=big-0.big", "--master_port=29500", "-m", "rlhf_core.cli", "stage", "rm"]
-    assert _container(kj.render_stage_job("evaluate", params_path="configs/gpu.yaml"))["command"] == [
+    assert _container(render_stage_job(StageJobOptions("evaluate", params_path="configs/gpu.yaml")))["command"] == [
         "rlhf", "stage", "evaluate", "-p", "configs/gpu.yaml"]
 
 
 def test_gpu_defaults_per_stage():
-    prep = kj.render_stage_job("prepare")
-    assert kj.GPU_RESOURCE not in json.dumps(prep) and "nodeSelector" not in prep["spec"]["template"]["spec"]
-    sft = kj.render_stage_job("sft")
+    prep = render_stage_job(StageJobOptions("prepare"))
+    assert names.GPU_RESOURCE not in json.dumps(prep) and "nodeSelector" not in prep["spec"]["template"]["spec"]
+    sft = render_stage_job(StageJobOptions("sft"))
     limits = _container(sft)["resources"]["limits"]
-    assert limits[kj.GPU_RESOURCE] == "1" and sft["spec"]["template"]["spec"]["nodeSelector"] == kj.GPU_NODE_SELECTOR
-    assert _container(kj.render_stage_job("sft", gpus=8))["resources"]["requests"][kj.GPU_RESOURCE] == "8"
+    assert limits[names.GPU_RESOURCE] == "1"
+    assert sft["spec"]["template"]["spec"]["nodeSelector"] == names.GPU_NODE_SELECTOR
+    eight = _container(render_stage_job(StageJobOptions("sft", gpus=8)))
+    assert eight["resources"]["requests"][names.GPU_RESOURCE] == "8"
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -266,22 +271,23 @@ def test_gpu_defaults_per_stage():
 ])
 def test_render_rejects_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
-        kj.render_stage_job(**kw)
+        render_stage_job(StageJobOptions(**kw))
 
 
 def test_extra_env_replaces_same_name():
-    env = _container(kj.render_stage_job("sft", env={"MLFLOW_TRACKING_URI": "http://x:5000", "A": "1"}))["env"]
+    opts = StageJobOptions("sft", env={"MLFLOW_TRACKING_URI": "http://x:5000", "A": "1"})
+    env = _container(render_stage_job(opts))["env"]
     assert [e for e in env if e["name"] == "MLFLOW_TRACKING_URI"] == [{"name": "MLFLOW_TRACKING_URI",
                                                                       "value": "http://x:5000"}]
     assert {"name": "A", "value": "1"} in env
 
 
 def test_main_render_yaml():
-    docs = list(yaml.safe_load_all(kj.main_render("sft", nnodes=2, gpus=8)))
+    docs = list(yaml.safe_load_all(main_render("sft", nnodes=2, gpus=8)))
     assert [d["kind"] for d in docs] == ["Service", "Job"]
-    (job,) = yaml.safe_load_all(kj.main_render("prepare"))
-    assert job == kj.render_stage_job("prepare")
-    (pj,) = yaml.safe_load_all(kj.main_render("rlhf", kind="pytorchjob", nnodes=3, gpus=2))
+    (job,) = yaml.safe_load_all(main_render("prepare"))
+    assert job == render_stage_job(StageJobOptions("prepare"))
+    (pj,) = yaml.safe_load_all(main_render("rlhf", kind="pytorchjob", nnodes=3, gpus=2))
     assert pj["kind"] == "PyTorchJob" and pj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
 
 
@@ -295,7 +301,7 @@ def test_log_follower_skips_lines_already_seen():
         def read_namespaced_pod_log(self, *a, **kw):
             return self.bodies.pop(0)
 
-    follower = kj._LogFollower(Core(), NS, "rlhf", emitted.append)
+    follower = submit.LogFollower(Core(), NS, "rlhf", emitted.append)
     follower.poll("p")
     follower.poll("p")
     assert emitted == ["a", "b", "c", "d"]
@@ -304,7 +310,7 @@ def test_log_follower_skips_lines_already_seen():
 def test_module_imports_without_kubernetes_or_prefect():
     code = ("import sys\n"
             "for m in ('kubernetes', 'prefect', 'prefect_kubernetes'): sys.modules[m] = None\n"
-            "import tasks.k8s_jobs as k\n"
+            "import tasks.k8s.render as k, tasks.k8s.manifests, tasks.k8s.submit, tasks.k8s.__main__\n"
             "print(k.main_render('sft')[:20])\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -314,12 +320,21 @@ def test_module_imports_without_kubernetes_or_prefect():
 def test_write_manifests_check_reports_stale(tmp_path):
     pytest.importorskip("prefect_kubernetes", reason="the work-pool template is built from prefect-kubernetes")
     template = json.loads((REPO / "k8s/prefect/base-job-template.json").read_text())
-    assert kj.write_manifests(tmp_path, check=True)  # nothing written yet: everything stale
+    assert manifests.write_manifests(tmp_path, check=True)  # nothing written yet: everything stale
     assert not (tmp_path / "k8s").exists()
     (tmp_path / "params.yaml").write_text("project: {name: x}\n")
-    written = kj.write_manifests(tmp_path)
+    written = manifests.write_manifests(tmp_path)
     assert tmp_path / "k8s/base/params.yaml" in written and tmp_path / "k8s/stages/sft/job.yaml" in written
-    assert kj.write_manifests(tmp_path, check=True) == []
+    assert manifests.write_manifests(tmp_path, check=True) == []
     (tmp_path / "k8s/stages/rm/job.yaml").write_text("edited by hand\n")
-    assert kj.write_manifests(tmp_path, check=True) == [tmp_path / "k8s/stages/rm/job.yaml"]
+    assert manifests.write_manifests(tmp_path, check=True) == [tmp_path / "k8s/stages/rm/job.yaml"]
     assert json.loads((tmp_path / "k8s/prefect/base-job-template.json").read_text()) == template
+
+
+def test_stage_job_options_from_keyword_options_name_an_unknown_key():
+    """The flow passes its ``k8s`` dict through ``StageJobOptions.from_dict``: a typo fails, naming the key."""
+    with pytest.raises(ValueError, match=r"unknown Kubernetes stage option\(s\) \['gpu'\]"):
+        StageJobOptions.from_dict("sft", {"gpu": 2})
+    opts = StageJobOptions.from_dict("sft", {"gpus": 2, "memory": "100Gi"})
+    assert (opts.procs_per_node, opts.job_name, opts.requests) == (2, "rlhf-sft", ("8", "100Gi", "8Gi"))
+    assert opts.deadline_s == names.STAGE_DEADLINE_S["sft"]

@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks import k8s_jobs as kj
+from rlhf_core.stages import STAGE_NAMES
+from tasks.k8s import manifests, names, work_pool
+from tasks.k8s.options import StageJobOptions
+from tasks.k8s.render import render_pytorchjob, render_stage_job, render_stage_resources
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -121,7 +124,7 @@ def validate_any(doc: dict) -> None:
 
 RENDER_VARIANTS = {
     "default": {},
-    "cpu": {"gpus": 0, "image": kj.DEFAULT_CPU_IMAGE},
+    "cpu": {"gpus": 0, "image": names.DEFAULT_CPU_IMAGE},
     "4gpu": {"gpus": 4},
     "2x8gpu": {"nnodes": 2, "gpus": 8},
     "custom": {"gpus": 2, "nproc_per_node": 2, "params_path": "configs/gpu.yaml", "name": "my-sft",
@@ -134,7 +137,7 @@ def render_variant(stage: str, variant: str) -> list[dict]:
     kw = dict(RENDER_VARIANTS[variant])
     if stage == "prepare":
         kw = {k: v for k, v in kw.items() if k not in ("nnodes", "nproc_per_node")}
-    return kj.render_stage_resources(stage, **kw)
+    return render_stage_resources(StageJobOptions(stage, **kw))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -148,7 +151,7 @@ def test_overlay_validates_strictly(overlay):
         validate_any(doc)
 
 
-@pytest.mark.parametrize("stage", kj.STAGES)
+@pytest.mark.parametrize("stage", STAGE_NAMES)
 def test_stage_kustomization_validates_strictly(stage):
     docs = kustomize(f"stages/{stage}")
     assert [d["kind"] for d in docs] == ["Job"]
@@ -161,7 +164,7 @@ def test_base_validates_strictly():
 
 
 @pytest.mark.parametrize("variant", RENDER_VARIANTS)
-@pytest.mark.parametrize("stage", kj.STAGES)
+@pytest.mark.parametrize("stage", STAGE_NAMES)
 def test_render_stage_job_validates_strictly(stage, variant):
     for doc in render_variant(stage, variant):
         validate_strict(doc)
@@ -169,20 +172,20 @@ def test_render_stage_job_validates_strictly(stage, variant):
 
 @pytest.mark.parametrize("stage", ["sft", "rm", "rlhf", "evaluate"])
 def test_render_pytorchjob_validates(stage):
-    validate_pytorchjob(kj.render_pytorchjob(stage, nnodes=3, gpus=4))
+    validate_pytorchjob(render_pytorchjob(StageJobOptions(stage, nnodes=3, gpus=4)))
 
 
 def test_strict_validation_rejects_unknown_fields():
     """Guard: the validator really is strict (a typo'd field fails), so the passes above mean something."""
-    job = kj.render_stage_job("sft")
+    job = render_stage_job(StageJobOptions("sft"))
     job["spec"]["template"]["spec"]["containers"][0]["gpuLimit"] = 1
     with pytest.raises(kv.ValidationError):
         validate_strict(job)
-    job = kj.render_stage_job("sft")
+    job = render_stage_job(StageJobOptions("sft"))
     job["spec"]["template"]["spec"]["volumes"][0]["emptyDir"] = {"medium": "Memory", "size": "1Gi"}
     with pytest.raises(kv.ValidationError):
         validate_strict(job)
-    bad = kj.render_pytorchjob("sft")
+    bad = render_pytorchjob(StageJobOptions("sft", nnodes=2))
     bad["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
     with pytest.raises(AssertionError, match="pytorch"):
         validate_pytorchjob(bad)
@@ -199,53 +202,53 @@ def _normalised(doc: dict) -> dict:
     return doc
 
 
-@pytest.mark.parametrize("stage", kj.STAGES)
+@pytest.mark.parametrize("stage", STAGE_NAMES)
 def test_stage_kustomization_equals_render(stage):
-    assert kustomize(f"stages/{stage}") == [kj.render_stage_job(stage)]
+    assert kustomize(f"stages/{stage}") == [render_stage_job(StageJobOptions(stage))]
 
 
 def test_gpu_overlay_job_equals_render():
-    assert of_kind(kustomize("overlays/gpu"), "Job") == [kj.render_stage_job(kj.GPU_OVERLAY_STAGE)]
+    assert of_kind(kustomize("overlays/gpu"), "Job") == [render_stage_job(StageJobOptions(names.GPU_OVERLAY_STAGE))]
 
 
 def test_cpu_smoke_overlay_job_equals_render():
     """The hand-written CPU patch yields exactly what render_stage_job renders for gpus=0 and the CPU image."""
-    kw = {k: v for k, v in kj.CPU_SMOKE.items() if k != "stage"}
+    kw = {k: v for k, v in names.CPU_SMOKE.items() if k != "stage"}
     (job,) = of_kind(kustomize("overlays/cpu-smoke"), "Job")
-    assert _normalised(job) == _normalised(kj.render_stage_job(kj.CPU_SMOKE["stage"], **kw))
+    assert _normalised(job) == _normalised(render_stage_job(StageJobOptions(names.CPU_SMOKE["stage"], **kw)))
 
 
 def test_multi_node_overlay_equals_render():
     docs = kustomize("overlays/multi-node")
-    expected = kj.multi_node_resources()
+    expected = manifests.multi_node_resources()
     assert of_kind(docs, "Job") == of_kind(expected, "Job")
     assert [s for s in of_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"] == of_kind(expected,
                                                                                                       "Service")
 
 
 def test_pytorchjob_overlay_equals_render():
-    assert of_kind(kustomize("overlays/pytorchjob"), "PyTorchJob") == [kj.pytorchjob_resource()]
+    assert of_kind(kustomize("overlays/pytorchjob"), "PyTorchJob") == [manifests.pytorchjob_resource()]
 
 
 def test_generated_files_are_current():
     pytest.importorskip("prefect_kubernetes", reason="the work-pool template is built from prefect-kubernetes")
-    stale = kj.write_manifests(REPO, check=True)
-    assert not stale, ("stale generated files (run `python -m tasks.k8s_jobs write-manifests`): "
+    stale = manifests.write_manifests(REPO, check=True)
+    assert not stale, ("stale generated files (run `python -m tasks.k8s write-manifests`): "
                        + ", ".join(str(p.relative_to(REPO)) for p in stale))
 
 
-@pytest.mark.parametrize("src,copy_", sorted(kj.PARAMS_COPIES.items()))
+@pytest.mark.parametrize("src,copy_", sorted(manifests.PARAMS_COPIES.items()))
 def test_params_copies_identical(src, copy_):
     if not (REPO / src).is_file():
         pytest.skip(f"{src} does not exist (yet)")
     assert (REPO / copy_).read_text() == (REPO / src).read_text(), (
-        f"{copy_} differs from {src}; re-copy with `python -m tasks.k8s_jobs write-manifests`")
+        f"{copy_} differs from {src}; re-copy with `python -m tasks.k8s write-manifests`")
 
 
 def test_overlay_params_configmaps():
     def params_of(overlay):
         (cm,) = [c for c in of_kind(kustomize(f"overlays/{overlay}"), "ConfigMap")
-                 if c["metadata"]["name"] == kj.PARAMS_CONFIGMAP]
+                 if c["metadata"]["name"] == names.PARAMS_CONFIGMAP]
         return yaml.safe_load(cm["data"]["params.yaml"])
 
     assert params_of("cpu-smoke") == yaml.safe_load((K8S / "base/params.yaml").read_text())
@@ -257,7 +260,7 @@ def test_overlay_params_configmaps():
 # ------------------------------------------------------------------------------------------------------------------
 # Semantics
 # ------------------------------------------------------------------------------------------------------------------
-RENDERED = ([f"overlay:{o}" for o in OVERLAYS] + [f"render:{s}:{v}" for s in kj.STAGES for v in RENDER_VARIANTS]
+RENDERED = ([f"overlay:{o}" for o in OVERLAYS] + [f"render:{s}:{v}" for s in STAGE_NAMES for v in RENDER_VARIANTS]
             + ["render:pytorchjob"])
 
 
@@ -267,7 +270,7 @@ def rendered(label: str) -> list[dict]:
     if kind == "overlay":
         return kustomize(f"overlays/{rest}")
     if rest == "pytorchjob":
-        return [kj.render_pytorchjob("rlhf", nnodes=4, gpus=8)]
+        return [render_pytorchjob(StageJobOptions("rlhf", nnodes=4, gpus=8))]
     stage, _, variant = rest.partition(":")
     return render_variant(stage, variant)
 
@@ -280,14 +283,14 @@ def test_gpu_overlays_request_gpus(overlay):
         for t in pod_templates(doc):
             (c,) = [c for c in t["spec"]["containers"] if c["name"] in ("rlhf", "pytorch")]
             limits, requests = c["resources"]["limits"], c["resources"]["requests"]
-            assert int(limits[kj.GPU_RESOURCE]) >= 1 and limits[kj.GPU_RESOURCE] == requests[kj.GPU_RESOURCE]
+            assert int(limits[names.GPU_RESOURCE]) >= 1 and limits[names.GPU_RESOURCE] == requests[names.GPU_RESOURCE]
             assert t["spec"]["nodeSelector"] and t["spec"]["tolerations"]
-            assert any(tol.get("key") == kj.GPU_RESOURCE for tol in t["spec"]["tolerations"])
+            assert any(tol.get("key") == names.GPU_RESOURCE for tol in t["spec"]["tolerations"])
 
 
 def test_cpu_smoke_has_no_gpu_anything():
     docs = kustomize("overlays/cpu-smoke")
-    assert kj.GPU_RESOURCE not in json.dumps(docs), "nvidia.com/gpu found in the cpu-smoke overlay"
+    assert names.GPU_RESOURCE not in json.dumps(docs), "nvidia.com/gpu found in the cpu-smoke overlay"
     for doc in stage_workloads(docs):
         for t in pod_templates(doc):
             assert "nodeSelector" not in t["spec"] and "tolerations" not in t["spec"]
@@ -319,7 +322,7 @@ def test_pods_run_as_non_root(label):
                 sc = c.get("securityContext", {})
                 run_as_non_root = sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
                 uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
-                assert run_as_non_root is True and uid == kj.RUN_AS_UID, (label, c["name"])
+                assert run_as_non_root is True and uid == names.RUN_AS_UID, (label, c["name"])
                 assert sc.get("allowPrivilegeEscalation") is False, (label, c["name"])
                 assert sc.get("capabilities", {}).get("drop") == ["ALL"], (label, c["name"])
                 assert not sc.get("privileged", False)
@@ -350,7 +353,7 @@ def test_secret_references_are_the_documented_keys():
                     for e in c.get("env", []):
                         ref = e.get("valueFrom", {}).get("secretKeyRef")
                         if ref:
-                            assert ref["name"] == kj.CREDENTIALS_SECRET
+                            assert ref["name"] == names.CREDENTIALS_SECRET
                             assert ref["key"] in documented, f"{ref['key']} missing from secrets.example.env"
 
 
@@ -361,9 +364,9 @@ def test_one_image_tag_per_overlay(overlay):
     for image in images:
         name, _, tag = image.rpartition(":")
         assert name and tag and tag != "latest" and "/" not in tag, f"unpinned image {image}"
-    ours = {i for i in images if i.startswith(kj.IMAGE_REPO + ":")}
+    ours = {i for i in images if i.startswith(names.IMAGE_REPO + ":")}
     assert len(ours) == 1, f"{overlay}: several rlhf-ops images {ours}"
-    assert ours == {kj.DEFAULT_CPU_IMAGE if overlay == "cpu-smoke" else kj.DEFAULT_GPU_IMAGE}
+    assert ours == {names.DEFAULT_CPU_IMAGE if overlay == "cpu-smoke" else names.DEFAULT_GPU_IMAGE}
 
 
 @pytest.mark.parametrize("label", RENDERED)
@@ -405,7 +408,7 @@ def _check_indexed_job(job: dict, services: list[dict]) -> None:
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"] and all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
     assert int(_flag(cmd, "master_port")) in [p["port"] for p in svc["spec"]["ports"]]
-    assert int(_flag(cmd, "nproc_per_node")) == int(c["resources"]["limits"][kj.GPU_RESOURCE])
+    assert int(_flag(cmd, "nproc_per_node")) == int(c["resources"]["limits"][names.GPU_RESOURCE])
     assert pod["restartPolicy"] == "Never"
 
 
@@ -413,12 +416,12 @@ def test_multi_node_overlay_wiring():
     docs = kustomize("overlays/multi-node")
     (job,) = of_kind(docs, "Job")
     _check_indexed_job(job, of_kind(docs, "Service"))
-    assert job["spec"]["completions"] == kj.MULTI_NODE["nnodes"]
+    assert job["spec"]["completions"] == names.MULTI_NODE["nnodes"]
 
 
 @pytest.mark.parametrize("nnodes,gpus", [(2, 1), (3, 8), (16, 4)])
 def test_render_multi_node_wiring(nnodes, gpus):
-    docs = kj.render_stage_resources("rlhf", nnodes=nnodes, gpus=gpus, name="rlhf-x")
+    docs = render_stage_resources(StageJobOptions("rlhf", nnodes=nnodes, gpus=gpus, name="rlhf-x"))
     (job,) = of_kind(docs, "Job")
     _check_indexed_job(job, of_kind(docs, "Service"))
 
@@ -427,15 +430,15 @@ def test_pytorchjob_overlay_wiring():
     (pj,) = of_kind(kustomize("overlays/pytorchjob"), "PyTorchJob")
     replicas = pj["spec"]["pytorchReplicaSpecs"]
     nnodes = sum(r["replicas"] for r in replicas.values())
-    assert nnodes == kj.PYTORCHJOB["nnodes"]
+    assert nnodes == names.PYTORCHJOB["nnodes"]
     for r in replicas.values():
         (c,) = [c for c in r["template"]["spec"]["containers"] if c["name"] == "pytorch"]
         cmd = c["command"]
         assert int(_flag(cmd, "nnodes")) == nnodes
         assert _flag(cmd, "node_rank") == "$(RANK)" and _flag(cmd, "master_addr") == "$(MASTER_ADDR)"
-        assert int(_flag(cmd, "nproc_per_node")) == int(c["resources"]["limits"][kj.GPU_RESOURCE]) \
+        assert int(_flag(cmd, "nproc_per_node")) == int(c["resources"]["limits"][names.GPU_RESOURCE]) \
             == int(pj["spec"]["nprocPerNode"])
-        assert {"name": "pytorchjob-port", "containerPort": kj.MASTER_PORT, "protocol": "TCP"} in c["ports"]
+        assert {"name": "pytorchjob-port", "containerPort": names.MASTER_PORT, "protocol": "TCP"} in c["ports"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -447,7 +450,7 @@ def test_job_lifecycle_fields(overlay):
         assert spec["ttlSecondsAfterFinished"] > 0
         for t in pod_templates(doc):
             assert t["spec"]["automountServiceAccountToken"] is False
-            assert t["spec"]["serviceAccountName"] == kj.STAGE_SERVICE_ACCOUNT
+            assert t["spec"]["serviceAccountName"] == names.STAGE_SERVICE_ACCOUNT
         if doc["kind"] == "Job":
             rules = doc["spec"]["podFailurePolicy"]["rules"]
             assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
@@ -459,7 +462,7 @@ def test_references_resolve_within_overlay(overlay):
     docs = kustomize(f"overlays/{overlay}")
     have = {(d["kind"], d["metadata"]["name"]) for d in docs}
     namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
-    assert namespaces == {kj.NAMESPACE} and ("Namespace", kj.NAMESPACE) in have
+    assert namespaces == {names.NAMESPACE} and ("Namespace", names.NAMESPACE) in have
     for doc in docs:
         for t in pod_templates(doc):
             spec = t["spec"]
@@ -478,7 +481,8 @@ def test_references_resolve_within_overlay(overlay):
                 mounts = {m["name"] for m in c.get("volumeMounts", [])}
                 assert mounts <= {v["name"] for v in spec.get("volumes", [])}
     if stage_workloads(docs):
-        (pvc,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == kj.WORKSPACE_PVC]
+        (pvc,) = [d for d in docs
+                  if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == names.WORKSPACE_PVC]
         assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
         for doc in stage_workloads(docs):
             for c in stage_containers(doc):
@@ -486,12 +490,12 @@ def test_references_resolve_within_overlay(overlay):
 
 
 def test_stage_params_come_from_the_configmap():
-    job = kj.render_stage_job("rm")
+    job = render_stage_job(StageJobOptions("rm"))
     pod = job["spec"]["template"]["spec"]
     (seed,) = pod["initContainers"]
     assert "/etc/rlhf/params.yaml" in seed["command"][-1] and '"/workspace/params.yaml"' in seed["command"][-1]
     (params,) = [v for v in pod["volumes"] if v["name"] == "params"]
-    assert params["configMap"]["name"] == kj.PARAMS_CONFIGMAP
+    assert params["configMap"]["name"] == names.PARAMS_CONFIGMAP
     assert pod["containers"][0]["workingDir"] == "/workspace"
 
 
@@ -507,18 +511,18 @@ def test_rbac():
     need = [("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")]
     need += [("", "pods", v) for v in ("get", "list", "watch")] + [("", "pods/log", "get")]
     need += [("", "events", v) for v in ("list", "watch")]
-    for role in ("prefect-worker", kj.FLOW_SERVICE_ACCOUNT):
+    for role in ("prefect-worker", names.FLOW_SERVICE_ACCOUNT):
         for group, resource, verb in need:
             assert allowed(role, group, resource, verb), (role, group, resource, verb)
-    assert allowed(kj.FLOW_SERVICE_ACCOUNT, "", "services", "create")  # headless Service of multi-node stages
+    assert allowed(names.FLOW_SERVICE_ACCOUNT, "", "services", "create")  # headless Service of multi-node stages
     for role in roles.values():
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
             assert "secrets" not in rule["resources"]
     bound = {(b["roleRef"]["name"], s["name"]) for b in bindings for s in b["subjects"]}
-    assert bound == {("prefect-worker", "prefect-worker"), (kj.FLOW_SERVICE_ACCOUNT, kj.FLOW_SERVICE_ACCOUNT)}
+    assert bound == {("prefect-worker", "prefect-worker"), (names.FLOW_SERVICE_ACCOUNT, names.FLOW_SERVICE_ACCOUNT)}
     accounts = {d["metadata"]["name"]: d for d in of_kind(docs, "ServiceAccount")}
-    assert accounts[kj.STAGE_SERVICE_ACCOUNT]["automountServiceAccountToken"] is False
+    assert accounts[names.STAGE_SERVICE_ACCOUNT]["automountServiceAccountToken"] is False
 
 
 def test_mlflow_server():
@@ -533,13 +537,13 @@ def test_mlflow_server():
         assert pin and tag.removeprefix("v").removesuffix("-full") == pin.group(1), "server != client version"
     env = {e["name"]: e for e in c["env"]}
     # `mlflow server` reads --backend-store-uri from MLFLOW_BACKEND_STORE_URI; it comes from the Secret
-    assert env["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]["name"] == kj.CREDENTIALS_SECRET
+    assert env["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]["name"] == names.CREDENTIALS_SECRET
     assert "--artifacts-destination=$(MLFLOW_ARTIFACTS_DESTINATION)" in c["args"] and "--serve-artifacts" in c["args"]
     assert any(a.startswith("--allowed-hosts=rlhf-mlflow") for a in c["args"])
     (svc,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == "rlhf-mlflow"]
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
-    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == kj.ENDPOINTS_CONFIGMAP]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == names.ENDPOINTS_CONFIGMAP]
     assert cm["data"]["MLFLOW_TRACKING_URI"] == f"http://rlhf-mlflow:{svc['spec']['ports'][0]['port']}"
 
 
@@ -559,7 +563,7 @@ SAMPLE_VALUES = {
 }
 # Where each added variable must land in the Job manifest.
 LANDING = {
-    "gpu_count": lambda m: [m["spec"]["template"]["spec"]["containers"][0]["resources"][k][kj.GPU_RESOURCE]
+    "gpu_count": lambda m: [m["spec"]["template"]["spec"]["containers"][0]["resources"][k][names.GPU_RESOURCE]
                             for k in ("limits", "requests")],
     "node_selector": lambda m: [m["spec"]["template"]["spec"]["nodeSelector"]],
     "tolerations": lambda m: [m["spec"]["template"]["spec"]["tolerations"]],
@@ -600,7 +604,8 @@ def test_work_pool_template_extends_prefect_default():
     default = KubernetesWorker.get_default_base_job_template()
     ours = _work_pool_template()
     assert set(default["variables"]["properties"]) < set(ours["variables"]["properties"])
-    assert set(ours["variables"]["properties"]) - set(default["variables"]["properties"]) == set(kj.WORK_POOL_VARIABLES)
+    added = set(ours["variables"]["properties"]) - set(default["variables"]["properties"])
+    assert added == set(work_pool.WORK_POOL_VARIABLES)
     assert set(ours["job_configuration"]) == set(default["job_configuration"])
 
 
@@ -612,7 +617,7 @@ def test_every_work_pool_variable_is_used():
     used = {p.name for p in find_placeholders(json.dumps(template["job_configuration"]))}
     manifest_used = {p.name for p in find_placeholders(json.dumps(template["job_configuration"]["job_manifest"]))}
     assert set(template["variables"]["properties"]) <= used
-    assert set(kj.WORK_POOL_VARIABLES) <= manifest_used
+    assert set(work_pool.WORK_POOL_VARIABLES) <= manifest_used
 
 
 def test_work_pool_variables_land_in_the_manifest():
@@ -620,7 +625,7 @@ def test_work_pool_variables_land_in_the_manifest():
     for var, where in LANDING.items():
         found = where(manifest)
         assert found and all(v == SAMPLE_VALUES[var] for v in found), (var, found)
-        default = kj.WORK_POOL_VARIABLES[var]["default"]
+        default = work_pool.WORK_POOL_VARIABLES[var]["default"]
         assert default != SAMPLE_VALUES[var], f"sample for {var} equals the default: the check would prove nothing"
     pod = manifest["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -642,7 +647,7 @@ def test_work_pool_manifest_validates_strictly(values):
         del pod[f]
     validate_strict(manifest)
     namespace = manifest["metadata"]["namespace"]
-    assert namespace == kj.NAMESPACE and pod["serviceAccountName"] == kj.FLOW_SERVICE_ACCOUNT
+    assert namespace == names.NAMESPACE and pod["serviceAccountName"] == names.FLOW_SERVICE_ACCOUNT
     if not values:
-        assert pod["containers"][0]["resources"]["limits"][kj.GPU_RESOURCE] == 0
+        assert pod["containers"][0]["resources"]["limits"][names.GPU_RESOURCE] == 0
         assert pod["nodeSelector"] == {} and pod["tolerations"] == []

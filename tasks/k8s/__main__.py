@@ -1,0 +1,42 @@
+"""``python -m tasks.k8s write-manifests [--check]`` / ``python -m tasks.k8s render STAGE [...]``."""
+
+from __future__ import annotations
+
+import sys
+
+from rlhf_core.stages import STAGE_NAMES
+from tasks.k8s.manifests import write_manifests
+from tasks.k8s.names import DEFAULT_GPU_IMAGE, NAMESPACE
+from tasks.k8s.render import main_render
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tasks.k8s",
+                                     description="Render or write the Kubernetes manifests of the stages.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write-manifests", help="regenerate the Job YAML and work-pool template under k8s/")
+    w.add_argument("--check", action="store_true", help="only report stale files (exit 1 if any)")
+    w.add_argument("--root", default=".")
+    r = sub.add_parser("render", help="print a stage's Job YAML")
+    r.add_argument("stage", choices=STAGE_NAMES)
+    r.add_argument("--gpus", type=int)
+    r.add_argument("--nnodes", type=int, default=1)
+    r.add_argument("--nproc-per-node", type=int)
+    r.add_argument("--image", default=DEFAULT_GPU_IMAGE)
+    r.add_argument("--namespace", default=NAMESPACE)
+    r.add_argument("--kind", choices=("job", "pytorchjob"), default="job")
+    args = parser.parse_args(argv)
+    if args.cmd == "render":
+        sys.stdout.write(main_render(args.stage, kind=args.kind, gpus=args.gpus, nnodes=args.nnodes,
+                                     nproc_per_node=args.nproc_per_node, image=args.image, namespace=args.namespace))
+        return 0
+    stale = write_manifests(args.root, check=args.check)
+    for path in stale:
+        print(("stale: " if args.check else "wrote: ") + str(path))
+    return 1 if (args.check and stale) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,301 @@
+"""Rendering: a stage's ``StageJobOptions`` -> the Kubernetes objects (plain dicts, ready for YAML or the API).
+
+Every stage Job runs the one stage command, ``rlhf stage NAME`` (or ``torchrun ... -m rlhf_core.cli stage NAME``
+for several processes), in the image, on the shared workspace volume mounted at ``/workspace``; the pod runs as
+uid 1000 with no privilege escalation and no service-account token.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from tasks.k8s.names import (
+    COMPLETION_INDEX_ANNOTATION,
+    CONFIG_ERROR_EXIT_CODE,
+    CONTAINER,
+    CREDENTIALS_SECRET,
+    ENDPOINTS_CONFIGMAP,
+    GPU_NODE_SELECTOR,
+    GPU_RESOURCE,
+    GPU_TOLERATIONS,
+    MASTER_PORT,
+    NAMESPACE,
+    PARAMS_MOUNT_DIR,
+    RUN_AS_UID,
+    WORKSPACE_DIR,
+    default_job_name,
+    master_addr,
+    stage_labels,
+)
+from tasks.k8s.options import StageJobOptions
+
+
+def stage_command(stage: str, params_path: str = "params.yaml", nnodes: int = 1, nproc_per_node: int = 1,
+                  job_name: str | None = None, service: str | None = None) -> list[str]:
+    """The container command: ``rlhf stage NAME``, or torchrun running the same CLI module.
+
+    One process: ``rlhf stage NAME``.  Several on one node: ``torchrun --standalone --nproc_per_node=N
+    -m rlhf_core.cli stage NAME``.  Several nodes (an Indexed Job): static rendezvous at pod 0
+    (``<job>-0.<service>``), this node's rank from the Job completion index.
+    """
+    tail = ["stage", stage] + ([] if params_path == "params.yaml" else ["-p", params_path])
+    if nnodes == 1 and nproc_per_node == 1:
+        return ["rlhf", *tail]
+    if nnodes == 1:
+        return ["torchrun", "--standalone", f"--nproc_per_node={nproc_per_node}", "-m", "rlhf_core.cli", *tail]
+    job_name = job_name or default_job_name(stage)
+    service = service or job_name
+    return ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
+            "--node_rank=$(JOB_COMPLETION_INDEX)", f"--master_addr={master_addr(job_name, service)}",
+            f"--master_port={MASTER_PORT}", "-m", "rlhf_core.cli", *tail]
+
+
+def security_context_pod() -> dict:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_UID,
+        "runAsGroup": RUN_AS_UID,
+        "fsGroup": RUN_AS_UID,
+        "fsGroupChangePolicy": "OnRootMismatch",  # no recursive chown of a big workspace on every start
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def security_context_container() -> dict:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_UID,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def stage_env(extra: dict[str, str] | None) -> list[dict]:
+    """Endpoints from the ``rlhf-endpoints`` ConfigMap, credentials as optional Secret references.
+
+    ``extra`` (plain values, e.g. the flow's parent MLflow run id) replaces entries of the same name.
+    """
+    def cm(name: str) -> dict:
+        return {"name": name, "valueFrom": {"configMapKeyRef": {"name": ENDPOINTS_CONFIGMAP, "key": name}}}
+
+    def secret(name: str) -> dict:
+        return {"name": name, "valueFrom": {"secretKeyRef": {"name": CREDENTIALS_SECRET, "key": name,
+                                                             "optional": True}}}
+
+    env = [
+        cm("MLFLOW_TRACKING_URI"),
+        cm("PREFECT_API_URL"),
+        secret("MLFLOW_TRACKING_USERNAME"),
+        secret("MLFLOW_TRACKING_PASSWORD"),
+        secret("HF_TOKEN"),
+        {"name": "HF_HOME", "value": f"{WORKSPACE_DIR}/.cache/huggingface"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    for key, value in (extra or {}).items():
+        env = [e for e in env if e["name"] != key] + [{"name": key, "value": str(value)}]
+    return env
+
+
+def pod_spec(opts: StageJobOptions, *, command: list[str], env: list[dict], container_name: str = CONTAINER) -> dict:
+    """The pod of a stage: security context, the workspace volume, /dev/shm, GPUs and their scheduling."""
+    gpus = opts.gpus_per_node
+    cpu, memory, shm_size = opts.requests
+    image, image_pull_policy = opts.image, opts.image_pull_policy
+    resources: dict[str, dict] = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+    if gpus:
+        resources["requests"][GPU_RESOURCE] = str(gpus)
+        resources["limits"][GPU_RESOURCE] = str(gpus)
+    node_selector = (dict(GPU_NODE_SELECTOR) if gpus else {}) if opts.node_selector is None else opts.node_selector
+    tolerations = (copy.deepcopy(GPU_TOLERATIONS) if gpus else []) if opts.tolerations is None else opts.tolerations
+    container = {
+        "name": container_name,
+        "image": image,
+        "imagePullPolicy": image_pull_policy,
+        "command": command,
+        "workingDir": WORKSPACE_DIR,
+        "env": env,
+        "resources": resources,
+        "securityContext": security_context_container(),
+        "volumeMounts": [
+            {"name": "workspace", "mountPath": WORKSPACE_DIR},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    volumes = [
+        {"name": "workspace", "persistentVolumeClaim": {"claimName": opts.pvc_claim}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
+    ]
+    spec: dict[str, Any] = {
+        "serviceAccountName": opts.service_account,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": security_context_pod(),
+    }
+    if opts.seed_params:
+        # Copy the params ConfigMap onto the workspace, so the stage reads ./params.yaml like `dvc repro` does.
+        spec["initContainers"] = [{
+            "name": "seed-params",
+            "image": image,
+            "imagePullPolicy": image_pull_policy,
+            "command": seed_params_command(opts.params_path),
+            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "64Mi"}},
+            "securityContext": security_context_container(),
+            "volumeMounts": [
+                {"name": "workspace", "mountPath": WORKSPACE_DIR},
+                {"name": "params", "mountPath": PARAMS_MOUNT_DIR, "readOnly": True},
+            ],
+        }]
+        volumes.append({"name": "params", "configMap": {"name": opts.params_configmap,
+                                                        "items": [{"key": "params.yaml", "path": "params.yaml"}]}})
+    spec["containers"] = [container]
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    if tolerations:
+        spec["tolerations"] = tolerations
+    spec["volumes"] = volumes
+    return spec
+
+
+def render_stage_job(opts: StageJobOptions) -> dict:
+    """The ``batch/v1`` Job that runs ``opts.stage`` (a plain dict, ready for YAML or the API).
+
+    ``nnodes > 1`` makes an Indexed Job whose pods find pod 0 through the headless Service
+    :func:`render_headless_service` (same name as the Job). With ``seed_params`` an init container first
+    copies the ``rlhf-params`` ConfigMap to ``params_path`` on the workspace (the kubectl workflow); a Prefect
+    flow that has already written the workspace's params passes ``seed_params=False``.
+    """
+    name, nnodes = opts.job_name, opts.nnodes
+    command = stage_command(opts.stage, opts.params_path, nnodes, opts.procs_per_node, job_name=name, service=name)
+    pod_env = stage_env(opts.env)
+    if nnodes > 1:
+        # Declared explicitly (the Job controller injects the same) so $(JOB_COMPLETION_INDEX) expands in `command`.
+        pod_env = [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}] + pod_env
+    labels = stage_labels(opts.stage, name)
+    pod = pod_spec(opts, command=command, env=pod_env)
+    pod["restartPolicy"] = "Never"
+    if nnodes > 1:
+        pod["subdomain"] = name  # pod hostnames <job>-<index> resolve as <job>-<index>.<service>
+        pod.setdefault("initContainers", []).append(wait_for_master(name, opts.image, opts.image_pull_policy))
+    spec: dict[str, Any] = {
+        "backoffLimit": opts.backoff_limit,
+        "activeDeadlineSeconds": opts.deadline_s,
+        "ttlSecondsAfterFinished": opts.ttl_s,
+        "podFailurePolicy": {"rules": [
+            # Bad params / usage: fail now instead of burning retries.
+            {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                                  "values": [CONFIG_ERROR_EXIT_CODE]}},
+            # Preemption, eviction, node drain: retry without counting against backoffLimit; the new pod
+            # resumes from checkpoints/ on the workspace volume.
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]},
+    }
+    if nnodes > 1:
+        spec.update({"completionMode": "Indexed", "completions": nnodes, "parallelism": nnodes})
+    spec["template"] = {"metadata": {"labels": dict(labels)}, "spec": pod}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "namespace": opts.namespace, "labels": labels}, "spec": spec}
+
+
+def wait_for_master(job_name: str, image: str, image_pull_policy: str) -> dict:
+    """Init container: wait (up to 10 min) until pod 0's DNS name resolves, so torchrun connects on first try."""
+    host = master_addr(job_name)
+    script = (f"for i in $(seq 300); do getent hosts {host} && exit 0; sleep 2; done; "
+              f"echo 'rendezvous host {host} did not resolve in 600 s' >&2; exit 1")
+    return {
+        "name": "wait-for-master",
+        "image": image,
+        "imagePullPolicy": image_pull_policy,
+        "command": ["sh", "-c", script],
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "64Mi"}},
+        "securityContext": security_context_container(),
+    }
+
+
+def seed_params_command(params_path: str = "params.yaml") -> list[str]:
+    """Copy the params ConfigMap onto the workspace atomically (nodes of a multi-node Job all run it)."""
+    dst = f"{WORKSPACE_DIR}/{params_path}"
+    return ["sh", "-c", f't=$(mktemp "{dst}.XXXXXX") && cp {PARAMS_MOUNT_DIR}/params.yaml "$t" '
+                        f'&& chmod 0644 "$t" && mv -f "$t" "{dst}"']
+
+
+def render_headless_service(job_name: str, stage: str, namespace: str = NAMESPACE) -> dict:
+    """Headless Service publishing the Indexed Job's pods (``<job>-<i>.<job>``), even before they are ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": job_name, "namespace": namespace, "labels": stage_labels(stage, job_name)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # pod 0 must resolve while it is still initialising
+            "selector": {"rlhf-ops/job": job_name},
+            "ports": [{"name": "c10d", "port": MASTER_PORT, "targetPort": MASTER_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def render_stage_resources(opts: StageJobOptions) -> list[dict]:
+    """The objects to create for a stage: the Job, preceded by its headless Service when ``nnodes > 1``."""
+    job = render_stage_job(opts)
+    if job["spec"].get("completionMode") == "Indexed":
+        return [render_headless_service(job["metadata"]["name"], opts.stage, job["metadata"]["namespace"]), job]
+    return [job]
+
+
+def render_pytorchjob(opts: StageJobOptions) -> dict:
+    """A Kubeflow ``PyTorchJob`` (kubeflow.org/v1, training operator) for a multi-node stage.
+
+    The operator creates the Master/Worker pods and their service and sets ``MASTER_ADDR``,
+    ``MASTER_PORT`` and ``RANK`` (the node rank) in each; torchrun takes them from there.
+    The pod shape (security, volumes, /dev/shm, env) is the stage Job's.
+    """
+    if opts.stage == "prepare":
+        raise ValueError("the prepare stage is not distributed; run it as a Job")
+    name, nnodes = opts.job_name, opts.nnodes
+    tail = ["stage", opts.stage] + ([] if opts.params_path == "params.yaml" else ["-p", opts.params_path])
+    command = ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={opts.procs_per_node}", "--node_rank=$(RANK)",
+               "--master_addr=$(MASTER_ADDR)", "--master_port=$(MASTER_PORT)", "-m", "rlhf_core.cli", *tail]
+    labels = stage_labels(opts.stage, name)
+    pod = pod_spec(opts, command=command, env=stage_env(opts.env), container_name="pytorch")
+    # The operator's MASTER_PORT comes from the container port named pytorchjob-port.
+    pod["containers"][0]["ports"] = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}]
+    template = {"metadata": {"labels": dict(labels)}, "spec": pod}
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
+    if nnodes > 1:
+        replicas["Worker"] = {"replicas": nnodes - 1, "restartPolicy": "OnFailure",
+                              "template": copy.deepcopy(template)}
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name, "namespace": opts.namespace, "labels": labels},
+        "spec": {
+            "nprocPerNode": str(opts.procs_per_node),
+            "runPolicy": {
+                "cleanPodPolicy": "None",  # keep finished pods for `kubectl logs` until the TTL removes the job
+                "backoffLimit": opts.backoff_limit,
+                "activeDeadlineSeconds": opts.deadline_s,
+                "ttlSecondsAfterFinished": opts.ttl_s,
+            },
+            "pytorchReplicaSpecs": replicas,
+        },
+    }
+
+
+def to_yaml(docs: list[dict] | dict) -> str:
+    docs = docs if isinstance(docs, list) else [docs]
+    return "---\n".join(yaml.safe_dump(d, sort_keys=False, default_flow_style=False, width=120) for d in docs)
+
+
+def main_render(stage: str, kind: str = "job", **kw) -> str:
+    """YAML for ``rlhf k8s render STAGE``: the stage's Job (and headless Service when multi-node),
+    or with ``kind="pytorchjob"`` a Kubeflow PyTorchJob.  Pipe it to ``kubectl apply -f -``."""
+    if kind == "job":
+        return to_yaml(render_stage_resources(StageJobOptions.from_dict(stage, kw)))
+    if kind == "pytorchjob":
+        return to_yaml(render_pytorchjob(StageJobOptions.from_dict(stage, kw)))
+    raise ValueError(f"unknown kind {kind!r}; expected job or pytorchjob")
+
+

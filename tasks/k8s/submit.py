@@ -1,0 +1,200 @@
+"""Submission: create a stage's Job (and its headless Service), follow rank 0's logs, wait for the end and
+explain a failure (the Job's reason, the pod's termination reason such as ``OOMKilled``, the last log lines).
+The ``kubernetes`` client is imported only here, when a Job is submitted."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from rlhf_core.stages import STAGE_TIMEOUT_S
+from tasks.k8s.names import COMPLETION_INDEX_ANNOTATION, NAMESPACE, default_job_name
+from tasks.k8s.options import StageJobOptions
+from tasks.k8s.render import render_stage_resources
+
+_log = logging.getLogger(__name__)
+
+
+class StageJobFailed(RuntimeError):
+    """A stage Job failed; carries the Job's and the pod's reasons (e.g. ``OOMKilled``) and the log tail."""
+
+    def __init__(self, message: str, *, stage: str = "", job_name: str = "", reason: str | None = None,
+                 pod_name: str | None = None, pod_reason: str | None = None, exit_code: int | None = None,
+                 log_tail: list[str] | None = None):
+        super().__init__(message)
+        self.stage, self.job_name, self.reason = stage, job_name, reason
+        self.pod_name, self.pod_reason, self.exit_code = pod_name, pod_reason, exit_code
+        self.log_tail = log_tail or []
+
+    def __reduce__(self):  # picklable with its attributes (Prefect persists task exceptions)
+        return self.__class__, self.args, self.__dict__
+
+
+class StageJobTimeout(StageJobFailed):
+    """The Job did not finish within ``timeout_s``."""
+
+
+def _ts_key(ts: str) -> tuple[str, int]:
+    """Order RFC 3339 timestamps with variable-length fractions (kubelet: ``2024-05-01T10:00:00.12345Z``)."""
+    base, _, frac = ts.rstrip("Z").partition(".")
+    return base, int((frac + "000000000")[:9]) if frac else 0
+
+
+class LogFollower:
+    """Incremental pod logs by polling with ``timestamps=True``; lines already emitted are skipped."""
+
+    def __init__(self, core_api, namespace: str, container: str, emit: Callable[[str], None]):
+        self.core, self.namespace, self.container, self.emit = core_api, namespace, container, emit
+        self.last: dict[str, tuple[tuple[str, int], int]] = {}  # pod -> (last timestamp, lines seen at it)
+        self.fetched_at: dict[str, float] = {}
+        self.tail: deque[str] = deque(maxlen=30)
+
+    def poll(self, pod: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        kw: dict[str, Any] = {"container": self.container, "timestamps": True}
+        if pod in self.fetched_at:
+            kw["since_seconds"] = int(time.monotonic() - self.fetched_at[pod]) + 10
+        try:
+            text = self.core.read_namespaced_pod_log(pod, self.namespace, **kw)
+        except ApiException as err:  # container not started yet (400) or pod gone (404)
+            if err.status in (400, 404):
+                return
+            raise
+        self.fetched_at[pod] = time.monotonic()
+        last_key, seen_at_last = self.last.get(pod, (("", -1), 0))
+        count_at: dict[tuple[str, int], int] = {}
+        for raw in (text or "").splitlines():
+            ts, _, line = raw.partition(" ")
+            key = _ts_key(ts)
+            count_at[key] = count_at.get(key, 0) + 1
+            if key < last_key or (key == last_key and count_at[key] <= seen_at_last):
+                continue
+            last_key, seen_at_last = key, count_at[key]
+            self.tail.append(line)
+            self.emit(line)
+        self.last[pod] = (last_key, seen_at_last)
+
+
+def _job_condition(job) -> tuple[str | None, str | None, str | None]:
+    """('Complete'|'Failed'|None, reason, message) from a V1Job's terminal conditions."""
+    for cond in (job.status.conditions if job.status and job.status.conditions else []):
+        if cond.type in ("Complete", "Failed") and cond.status == "True":
+            return cond.type, cond.reason, cond.message
+    return None, None, None
+
+
+def _pod_failure(pod, container: str) -> tuple[str | None, int | None, str | None]:
+    """(reason, exit code, message) of the pod's failure: the container's termination, else the pod's reason."""
+    status = pod.status
+    for cs in (status.container_statuses or []) if status else []:
+        if cs.name != container:
+            continue
+        for state in (cs.state, cs.last_state):
+            term = state.terminated if state else None
+            if term and (term.exit_code or 0) != 0:
+                return term.reason or "Error", term.exit_code, term.message
+    if status and status.reason:
+        return status.reason, None, status.message
+    return None, None, None
+
+
+def _load_apis(batch_api, core_api):
+    from kubernetes import client, config
+
+    if batch_api is None or core_api is None:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    return batch_api or client.BatchV1Api(), core_api or client.CoreV1Api()
+
+
+def submit_stage_job(
+    stage: str,
+    *,
+    namespace: str = NAMESPACE,
+    name: str | None = None,
+    env: dict[str, str] | None = None,
+    seed_params: bool = False,
+    batch_api=None,
+    core_api=None,
+    timeout_s: float = STAGE_TIMEOUT_S["kubernetes"],
+    poll_s: float = 10.0,
+    delete_on_timeout: bool = True,
+    log: Callable[[str], None] | None = None,
+    **render_kw,
+) -> dict:
+    """Create the stage's Job (and headless Service when multi-node), stream its logs, wait for the end.
+
+    ``render_kw`` are further ``StageJobOptions`` (image, gpus, nnodes, ...); an unknown one is an error.
+    Runs against the workspace's ``params.yaml`` as the calling flow left it (``seed_params=False``).
+    Returns ``{"stage", "job_name", "namespace", "status": "succeeded", "pods", "seconds"}``; raises
+    :class:`StageJobFailed` naming the Job's reason and the pod's termination reason (e.g. ``OOMKilled``)
+    or :class:`StageJobTimeout` (after deleting the Job, so a retry does not race it).
+    """
+    from kubernetes import client
+
+    emit = log or _log.info
+    name = name or f"{default_job_name(stage)}-{secrets.token_hex(3)}"
+    opts = StageJobOptions.from_dict(stage, {"namespace": namespace, "name": name, "env": env,
+                                             "seed_params": seed_params, **render_kw})
+    resources = render_stage_resources(opts)
+    manifest = resources[-1]
+    batch_api, core_api = _load_apis(batch_api, core_api)
+    start = time.monotonic()
+    created = batch_api.create_namespaced_job(namespace, client.V1Job.from_dict(manifest))
+    emit(f"created job {namespace}/{name} for stage {stage!r}")
+    if len(resources) == 2:  # headless Service, garbage-collected with the Job
+        svc = copy.deepcopy(resources[0])
+        svc["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
+                                               "uid": created.metadata.uid}]
+        core_api.create_namespaced_service(namespace, client.V1Service.from_dict(svc))
+    container = manifest["spec"]["template"]["spec"]["containers"][0]["name"]
+    follower = LogFollower(core_api, namespace, container, emit)
+    selector = f"rlhf-ops/job={name}"
+    pods: list = []
+    while True:
+        job = batch_api.read_namespaced_job(name, namespace)
+        pods = sorted(core_api.list_namespaced_pod(namespace, label_selector=selector).items or [],
+                      key=lambda p: (p.metadata.creation_timestamp is None, p.metadata.creation_timestamp))
+        lead = [p for p in pods if (p.metadata.annotations or {}).get(COMPLETION_INDEX_ANNOTATION, "0") == "0"]
+        if lead:
+            follower.poll(lead[-1].metadata.name)  # rank 0 logs; the newest pod after a retry
+        state, reason, message = _job_condition(job)
+        if state == "Complete":
+            seconds = round(time.monotonic() - start, 1)
+            emit(f"job {name} complete in {seconds}s")
+            return {"stage": stage, "job_name": name, "namespace": namespace, "status": "succeeded",
+                    "pods": [p.metadata.name for p in pods], "seconds": seconds}
+        if state == "Failed":
+            pod, pod_reason, exit_code, pod_message = None, None, None, None
+            for candidate in pods:  # oldest first: the last failure wins
+                found = _pod_failure(candidate, container)
+                if found[0] or pod is None:
+                    pod = candidate
+                    if found[0]:
+                        pod_reason, exit_code, pod_message = found
+            text = f"stage {stage!r} failed: job {namespace}/{name}: {reason or 'Failed'}"
+            text += f" ({message})" if message else ""
+            if pod is not None:
+                text += f"; pod {pod.metadata.name}: {pod_reason or 'unknown'}"
+                text += f" (exit code {exit_code})" if exit_code is not None else ""
+                text += f": {pod_message}" if pod_message else ""
+            if follower.tail:
+                text += "\nlast log lines:\n" + "\n".join(follower.tail)
+            raise StageJobFailed(text, stage=stage, job_name=name, reason=reason,
+                                 pod_name=pod.metadata.name if pod is not None else None, pod_reason=pod_reason,
+                                 exit_code=exit_code, log_tail=list(follower.tail))
+        if time.monotonic() - start > timeout_s:
+            if delete_on_timeout:
+                batch_api.delete_namespaced_job(name, namespace, propagation_policy="Background")
+            raise StageJobTimeout(f"stage {stage!r}: job {namespace}/{name} still running after {timeout_s}s"
+                                  + (" (deleted)" if delete_on_timeout else ""), stage=stage, job_name=name,
+                                  reason="Timeout", log_tail=list(follower.tail))
+        time.sleep(poll_s)

@@ -1,0 +1,98 @@
+"""The Prefect Kubernetes work pool's base job template (``k8s/prefect/base-job-template.json``): the flow-run
+pod, with GPU, scheduling, /dev/shm and workspace variables a deployment can set."""
+
+from __future__ import annotations
+
+import copy
+
+from tasks.k8s.names import (
+    DEFAULT_CPU_IMAGE,
+    FLOW_SERVICE_ACCOUNT,
+    GPU_RESOURCE,
+    NAMESPACE,
+    PARAMS_CONFIGMAP,
+    PARAMS_MOUNT_DIR,
+    TTL_AFTER_FINISHED_S,
+    WORKSPACE_DIR,
+    WORKSPACE_PVC,
+)
+from tasks.k8s.render import security_context_container, security_context_pod, seed_params_command, stage_env
+
+WORK_POOL_VARIABLES: dict[str, dict] = {
+    "gpu_count": {
+        "title": "GPU count", "type": "integer", "minimum": 0, "default": 0,
+        "description": "nvidia.com/gpu requested and limited for the flow-run pod. 0 for a pipeline flow that "
+                       "submits each stage as its own GPU Job.",
+    },
+    "node_selector": {
+        "title": "Node selector", "type": "object", "additionalProperties": {"type": "string"}, "default": {},
+        "description": "Node labels the flow-run pod must match, e.g. {\"nvidia.com/gpu.present\": \"true\"}.",
+    },
+    "tolerations": {
+        "title": "Tolerations", "type": "array", "items": {"type": "object"}, "default": [],
+        "description": "Pod tolerations, e.g. [{\"key\": \"nvidia.com/gpu\", \"operator\": \"Exists\", "
+                       "\"effect\": \"NoSchedule\"}].",
+    },
+    "shm_size": {
+        "title": "/dev/shm size", "type": "string", "default": "1Gi",
+        "description": "Size limit of the memory-backed emptyDir mounted at /dev/shm (counts against memory).",
+    },
+    "workspace_pvc": {
+        "title": "Workspace PVC", "type": "string", "default": WORKSPACE_PVC,
+        "description": "PersistentVolumeClaim (ReadWriteMany) mounted at /workspace: data, models, checkpoints.",
+    },
+}
+
+
+def build_work_pool_template(default_template: dict | None = None) -> dict:
+    """prefect-kubernetes' default base job template plus GPU, scheduling, /dev/shm and workspace variables.
+
+    Every added variable is referenced by a ``{{ var }}`` placeholder in ``job_configuration.job_manifest``
+    (Prefect silently drops variables nothing references).  The flow-run pod runs as uid 1000 with the
+    workspace PVC at /workspace, the params ConfigMap copied onto it by an init container, and the
+    ``rlhf-flow-runner`` service account (allowed to create the stage Jobs).
+    """
+    if default_template is None:
+        from prefect_kubernetes.worker import KubernetesWorker
+
+        default_template = KubernetesWorker.get_default_base_job_template()
+    template = copy.deepcopy(default_template)
+    props = template["variables"]["properties"]
+    props.update(copy.deepcopy(WORK_POOL_VARIABLES))
+    props["namespace"]["default"] = NAMESPACE
+    props["image"]["default"] = DEFAULT_CPU_IMAGE
+    props["service_account_name"]["default"] = FLOW_SERVICE_ACCOUNT
+    props["finished_job_ttl"]["default"] = TTL_AFTER_FINISHED_S
+
+    manifest = template["job_configuration"]["job_manifest"]
+    pod = manifest["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    # The image's ENTRYPOINT is `rlhf`; the worker puts `prefect flow-run execute` in args, so run args as-is.
+    container["command"] = ["/usr/bin/env"]
+    container["workingDir"] = WORKSPACE_DIR
+    # A hard-coded env list: the worker prepends its own variables (the `env` job variable) to it.
+    container["env"] = [e for e in stage_env(None) if e["name"] != "PREFECT_API_URL"]
+    container["resources"]["requests"][GPU_RESOURCE] = "{{ gpu_count }}"
+    container["resources"]["limits"][GPU_RESOURCE] = "{{ gpu_count }}"
+    container["securityContext"] = security_context_container()
+    container["volumeMounts"] = [{"name": "workspace", "mountPath": WORKSPACE_DIR},
+                                 {"name": "dshm", "mountPath": "/dev/shm"}]
+    pod["initContainers"] = [{
+        "name": "seed-params",
+        "image": "{{ image }}",
+        "imagePullPolicy": "{{ image_pull_policy }}",
+        "command": seed_params_command(),
+        "securityContext": security_context_container(),
+        "volumeMounts": [{"name": "workspace", "mountPath": WORKSPACE_DIR},
+                         {"name": "params", "mountPath": PARAMS_MOUNT_DIR, "readOnly": True}],
+    }]
+    pod["securityContext"] = security_context_pod()
+    pod["nodeSelector"] = "{{ node_selector }}"
+    pod["tolerations"] = "{{ tolerations }}"
+    pod["volumes"] = [
+        {"name": "workspace", "persistentVolumeClaim": {"claimName": "{{ workspace_pvc }}"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "{{ shm_size }}"}},
+        {"name": "params", "configMap": {"name": PARAMS_CONFIGMAP,
+                                         "items": [{"key": "params.yaml", "path": "params.yaml"}]}},
+    ]
+    return template
