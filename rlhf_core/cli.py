@@ -123,7 +123,7 @@ app.add_typer(bench_app, name="bench")
 
 def _bench(kind: str, hidden: int, layers: int, heads: int, seq: int, batch: int, vocab: int, steps: int,
            warmup: int, zero_stage: int, threads: int, baseline: bool, as_json: bool, matmul_n: int) -> None:
-    from rlhf_core.bench import main as bench_main
+    from rlhf_core.bench.train import main as bench_main
 
     bench_main(kind, as_json=as_json, hidden=hidden, layers=layers, heads=heads, seq=seq, batch=batch, vocab=vocab,
                steps=steps, warmup=warmup, zero_stage=zero_stage, threads=threads, baseline=baseline,
@@ -183,7 +183,7 @@ def bench_ppo(iterations: int = _R_ITER, warmup: int = _R_WARMUP, set_: list[str
 
     Example: rlhf bench ppo --iterations 3
     """
-    from rlhf_core.rlhf.bench import run_cli
+    from rlhf_core.bench.rlhf import run_cli
 
     run_cli("ppo", iterations, warmup, set_, as_json)
 
@@ -196,7 +196,7 @@ def bench_grpo(iterations: int = _R_ITER, warmup: int = _R_WARMUP, set_: list[st
 
     Example: rlhf bench grpo --iterations 3 --json
     """
-    from rlhf_core.rlhf.bench import run_cli
+    from rlhf_core.bench.rlhf import run_cli
 
     run_cli("grpo", iterations, warmup, set_, as_json)
 

@@ -27,7 +27,7 @@ def test_bench_sft_cli_prints_throughput_and_mfu(tmp_path):
 
 
 def test_bench_rm_counts_chosen_and_rejected_tokens():
-    from rlhf_core.bench import run_bench
+    from rlhf_core.bench.train import run_bench
 
     r = run_bench("rm", hidden=32, layers=1, heads=2, seq=16, batch=2, vocab=64, steps=2, warmup=1, threads=1,
                   matmul_n=256)

@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.rlhf.learning``: held-out learning figures over seeds, variants side by side.
+"""``python -m rlhf_core.bench.learning``: held-out learning figures over seeds, variants side by side.
 
 A training-reward curve proves nothing (it is what reward hacking looks like), so this runner reports what
 the reward does not control: the greedy held-out accuracy judged by the task's checker, over several seeds,
@@ -9,10 +9,10 @@ time, interleaved across variants (on a shared machine a variant does not get th
 
 ``variant`` is ``NAME=KEY=VALUE[,KEY=VALUE...]`` (the overrides of ``rlhf stage -S``); ``NAME`` alone is the
 base params. A NAME starting with ``trl`` runs TRL's ``GRPOTrainer`` on the same budget instead
-(``rlhf_core.rlhf.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
+(``rlhf_core.bench.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
 run, appended as runs finish; a re-run skips the pairs already there) and the summary table to stdout.
 
-    python -m rlhf_core.rlhf.learning --workspace W --seeds 1,2,3,4 --out runs \\
+    python -m rlhf_core.bench.learning --workspace W --seeds 1,2,3,4 --out runs \\
         ours_grpo=rlhf.algorithm=grpo trl
 """
 
@@ -70,7 +70,7 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}  # each run is its own world of one
     env |= {"RLHF_TRACKING": "off", "OMP_NUM_THREADS": str(threads)}
     if variant.name.startswith("trl"):
-        cmd = [sys.executable, "-m", "rlhf_core.rlhf.trl_grpo", "--seed", str(seed), "--threads", str(threads),
+        cmd = [sys.executable, "-m", "rlhf_core.bench.trl_grpo", "--seed", str(seed), "--threads", str(threads),
                *[a for o in (*extra, *variant.overrides) for a in ("-S", o)]]
     else:
         sets = [f"project.seed={seed}", f"compute.num_threads={threads}", *extra, *variant.overrides]

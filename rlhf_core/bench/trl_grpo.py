@@ -1,8 +1,8 @@
 """TRL's ``GRPOTrainer`` on our RLHF budget, judged by our held-out evaluator: the peer in the learning comparison.
 
-``python -m rlhf_core.rlhf.trl_grpo [--seed S] [--threads N] [-S key=value ...]`` in a workspace holding
+``python -m rlhf_core.bench.trl_grpo [--seed S] [--threads N] [-S key=value ...]`` in a workspace holding
 ``data/prepared`` and ``models/sft`` (and ``models/rm`` for the RM reward); needs the ``bench`` extra (trl).
-``rlhf_core.rlhf.learning`` runs it as the variant ``trl``, next to ours, from the same base workspace.
+``rlhf_core.bench.learning`` runs it as the variant ``trl``, next to ours, from the same base workspace.
 
 The same inputs and budget as ``rlhf stage rlhf`` with ``rlhf.algorithm: grpo`` and the same params:
 
