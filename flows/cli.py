@@ -5,7 +5,7 @@ adds ``run``, ``register``, ``promote``, ``rollback`` and ``deploy``.
 
 Exit codes: 0 done (also when the gate rejected the candidate, unless
 ``--strict-gate``), 1 a stage or task failed, 2 bad usage or config,
-3 MLflow unreachable, 4 gate rejected with ``--strict-gate``.
+3 MLflow unreachable, 4 gate rejected with ``--strict-gate``, 5 another ``rlhf run`` holds the workspace.
 """
 
 from __future__ import annotations
@@ -78,13 +78,18 @@ def run_cmd(
         check_reachable(tracking_uri(params))  # before anything else: no training without tracking
     except TrackingUnavailable as err:
         fail(str(err), code=3)
-    if backend == "local":
-        ensure_dvc(Path("."), params.project.workspace)
-    from flows.pipeline import rlhf_pipeline
+    from flows.workspace_lock import WorkspaceBusy, workspace_lock
 
     try:
-        summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend, promote=promote,
-                                force=force)
+        with workspace_lock(params.project.workspace):
+            if backend == "local":
+                ensure_dvc(Path("."), params.project.workspace)
+            from flows.pipeline import rlhf_pipeline
+
+            summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend,
+                                    promote=promote, force=force)
+    except WorkspaceBusy as err:
+        fail(str(err), code=5)
     except TrackingUnavailable as err:
         fail(str(err), code=3)
     except ConfigError as err:

@@ -1,0 +1,56 @@
+"""One ``rlhf run`` per workspace: a second one fails at once, naming the holder; a dead holder frees it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.workspace_lock import LOCK_FILE, WorkspaceBusy, workspace_lock
+
+REPO = Path(__file__).resolve().parents[1]
+HOLD = ("import sys, time; from flows.workspace_lock import workspace_lock\n"
+        "with workspace_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n")
+
+
+def _holder(ws: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(ws)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_second_holder_is_refused_with_the_holders_pid_and_a_dead_holder_frees_the_lock(tmp_path):
+    ws = tmp_path / ".rlhf"
+    proc = _holder(ws)
+    try:
+        busy = rf"another `rlhf run` is using this workspace .*\"pid\": {proc.pid}"
+        with pytest.raises(WorkspaceBusy, match=busy), workspace_lock(ws):
+            pass
+    finally:
+        proc.kill()  # SIGKILL: no cleanup code runs, the kernel drops the flock
+        proc.wait()
+    with workspace_lock(ws) as path:  # free again, and now it names us
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert (ws / LOCK_FILE).exists()
+
+
+def test_rlhf_run_exits_5_while_another_run_holds_the_workspace(tmp_path):
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    proc = _holder(tmp_path / ".rlhf")
+    try:
+        t0 = time.monotonic()
+        run = subprocess.run([str(Path(sys.executable).parent / "rlhf"), "run", "--stage", "prepare"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
+    finally:
+        proc.kill()
+        proc.wait()
+    assert run.returncode == 5, run.stderr[-2000:]
+    assert "another `rlhf run` is using this workspace" in run.stderr and str(proc.pid) in run.stderr
+    assert time.monotonic() - t0 < 120 and not (tmp_path / "data").exists()  # failed before any stage ran
