@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.local_pipeline import ensure_dvc, stage_env
+from flows.local_pipeline import ensure_dvc
+from tasks.stages import stage_env
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
