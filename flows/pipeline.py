@@ -9,6 +9,7 @@ the champion stays where it was.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Literal
@@ -23,6 +24,8 @@ from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
 from rlhf_core.stages import STAGE_NAMES, STAGE_TIMEOUT_S
 from tasks.gates import evaluation_gate
+from tasks.k8s.names import FLOW_RUN_LABEL
+from tasks.k8s.options import StageJobSettings, flow_stage_options, job_namespaces
 from tasks.registry import CHAMPION, alias_version, promote_task, record_gate, register_models
 from tasks.stages import run_stage
 
@@ -64,7 +67,38 @@ def _metric_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
-@flow(name="rlhf-pipeline", flow_run_name="rlhf-{backend}", log_prints=True)
+def stage_job_options(wanted: list[str], k8s, k8s_stages: dict | None, flow_run_id: str | None) -> dict[str, dict]:
+    """Every wanted stage's Job options, validated before anything runs, labelled with the flow run."""
+    unknown = sorted(set(k8s_stages or {}) - set(STAGE_NAMES))
+    if unknown:
+        raise ValueError(f"k8s_stages: unknown stages {unknown}; expected some of {list(STAGE_NAMES)}")
+    options = {stage: flow_stage_options(stage, k8s, k8s_stages) for stage in wanted}
+    if flow_run_id:
+        for opts in options.values():
+            opts["labels"] = {**(opts.get("labels") or {}), FLOW_RUN_LABEL: flow_run_id}
+    return options
+
+
+def stop_stage_jobs(flow, run, state) -> None:
+    """``on_cancellation`` / ``on_crashed``: delete the stage Jobs this flow run left running on the cluster.
+
+    (An interrupted stage task already deletes its own Job; this catches a flow-run process that died.)
+    """
+    params = run.parameters or {}
+    if params.get("backend") != "kubernetes":
+        return
+    from tasks.k8s.submit import delete_flow_run_jobs
+
+    logger = logging.getLogger("rlhf.flow")
+    for namespace in job_namespaces(params.get("k8s"), params.get("k8s_stages")):
+        try:
+            delete_flow_run_jobs(str(run.id), namespace, log=logger.warning)
+        except Exception as err:  # one unreachable namespace must not keep the others' Jobs alive
+            logger.error("could not delete the stage Jobs of flow run %s in namespace %s: %s", run.id, namespace, err)
+
+
+@flow(name="rlhf-pipeline", flow_run_name="rlhf-{backend}", log_prints=True,
+      on_cancellation=[stop_stage_jobs], on_crashed=[stop_stage_jobs])
 def rlhf_pipeline(
     stages: list[str] | None = None,
     overrides: list[str] | None = None,
@@ -75,8 +109,15 @@ def rlhf_pipeline(
     params_file: str = DEFAULT_PARAMS,
     retries: int = 2,
     retry_delay_s: float = 10.0,
+    k8s: StageJobSettings | None = None,
+    k8s_stages: dict[str, StageJobSettings] | None = None,
 ) -> dict:
-    """Run the RLHF pipeline and return a summary dict (stages, registered versions, gate, promoted)."""
+    """Run the RLHF pipeline and return a summary dict (stages, registered versions, gate, promoted).
+
+    ``k8s`` sets every stage Job (image, gpus, nnodes, queue, priority_class, ...: ``StageJobSettings``),
+    ``k8s_stages`` one stage's (e.g. ``{"rlhf": {"nnodes": 2}}``); both only with ``backend="kubernetes"``.
+    Only transient stage failures are retried (``retries`` times, ``tasks.retry_policy``).
+    """
     import mlflow
 
     logger = get_run_logger()
@@ -92,6 +133,9 @@ def rlhf_pipeline(
     unknown = sorted(set(wanted) - set(STAGE_NAMES))
     if unknown:
         raise ValueError(f"unknown stages {unknown}; expected a subset of {list(STAGE_NAMES)}")
+    if backend != "kubernetes" and (k8s or k8s_stages):
+        raise ValueError("k8s / k8s_stages set Kubernetes stage Jobs; they need backend='kubernetes'")
+    job_options = stage_job_options(wanted, k8s, k8s_stages, flow_run.get_id()) if backend == "kubernetes" else {}
 
     summary: dict = {"stages": [], "registered": {}, "gate": None, "promoted": False,
                      "tracking_uri": mlflow.get_tracking_uri(), "experiment_id": experiment_id}
@@ -109,7 +153,7 @@ def rlhf_pipeline(
             if stage in wanted:
                 rerun = force or (stage == "evaluate" and champion_changed(root_path, env.get(tracking.ENV_CHAMPION)))
                 summary["stages"].append(stage_task(stage, root=str(root_path), backend=backend, env=env,
-                                                    force=rerun))
+                                                    force=rerun, k8s=job_options.get(stage)))
         create_table_artifact(_metric_rows(summary["stages"]), key="stage-metrics",
                               description="Per-stage status, wall time and metrics")
 

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
-from rlhf_core.stages import STAGES
+from rlhf_core.stages import STAGES, exit_codes
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -27,7 +27,7 @@ console = Console(stderr=True)
 SET_HELP = "Override a param, e.g. -S data.max_prompt_len=128 (repeatable; value parsed as YAML)."
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = exit_codes.BAD_CONFIG) -> None:
     console.print(f"[red]error:[/red] {message}", highlight=False)
     raise typer.Exit(code)
 
@@ -83,9 +83,9 @@ def stage_cmd(
 
             result = fn(params, Path("."), log)
     except tracking.TrackingUnavailable as err:
-        fail(str(err), code=3)
-    except (DataError, ConfigError, ValueError) as err:
-        fail(f"stage {name}: {err}", code=1)
+        fail(str(err), code=exit_codes.TRACKING_UNAVAILABLE)
+    except (DataError, ConfigError, ValueError) as err:  # a retry would fail the same way
+        fail(f"stage {name}: {err}", code=exit_codes.BAD_INPUT)
     if isinstance(result, dict) and "counts" in result:
         console.print(f"[green]{name} done[/green]: {json.dumps(result['counts'])}", highlight=False)
 

@@ -4,13 +4,17 @@ Local backend: ``dvc repro --single-item STAGE`` in the workspace, so DVC
 decides whether the stage is up to date (skipped) and records its outputs.
 Kubernetes backend: the stage's Job (``tasks.k8s``), the same
 ``rlhf stage NAME`` command in the GPU image.  Stage output is streamed into
-the Prefect logs line by line.  Retries back off exponentially; a retried
-training stage resumes from its checkpoint.
+the Prefect logs line by line.  Only transient failures are retried
+(``tasks.retry_policy``), backing off exponentially; a retried training
+stage resumes from its checkpoint.  An interrupted task stops what it
+started (the local process group; the Kubernetes Job).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,13 +24,33 @@ from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
 from rlhf_core.paths import METRICS
-from rlhf_core.stages import STAGE_TIMEOUT_S
+from rlhf_core.stages import STAGE_TIMEOUT_S, exit_codes
+from tasks.retry_policy import retry_transient
 
 SKIP_MARKER = "didn't change, skipping"
+DVC_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)")
+STOP_GRACE_S = 30.0  # an interrupted task gives its stage process this long to exit after SIGTERM
 
 
 class StageFailed(RuntimeError):
-    """A stage exited non-zero; the message carries its last output lines."""
+    """A stage exited non-zero; the message carries its last output lines, ``exit_code`` the stage's code
+    (``rlhf_core.stages.exit_codes``; negative: killed by that signal; None: DVC did not say)."""
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def __reduce__(self):  # picklable with its code (Prefect persists task exceptions)
+        return self.__class__, (self.args[0], self.exit_code)
+
+
+def stage_exit_code(lines: list[str]) -> int | None:
+    """The stage command's exit code from DVC's ``failed to run: CMD, exited with N`` line (DVC itself exits 255)."""
+    for line in reversed(lines):
+        found = DVC_EXIT.search(line)
+        if found:
+            return int(found.group(1))
+    return None
 
 
 def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -38,23 +62,48 @@ def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def dvc_repro_stage(stage: str, root: Path, env: dict[str, str], force: bool, echo) -> str:
-    """Run ``dvc repro --single-item STAGE``; returns ``"ran"`` or ``"skipped"``; raises :class:`StageFailed`."""
+    """Run ``dvc repro --single-item STAGE``; returns ``"ran"`` or ``"skipped"``; raises :class:`StageFailed`.
+
+    DVC and the stage run in their own process group: when this call is interrupted (task timeout, flow
+    cancellation, Ctrl-C) the group gets SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`, so no stage process
+    outlives the task that started it.
+    """
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
+                            bufsize=1, start_new_session=True)
     tail: list[str] = []
     skipped = False
     assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip()
-        if not line:
-            continue
-        echo(line)
-        skipped |= SKIP_MARKER in line
-        tail = (tail + [line])[-20:]
-    if proc.wait() != 0:
-        raise StageFailed(f"stage {stage!r} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            if not line:
+                continue
+            echo(line)
+            skipped |= SKIP_MARKER in line
+            tail = (tail + [line])[-20:]
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            stop_process_group(proc, echo)
+    if proc.returncode != 0:
+        code = stage_exit_code(tail)
+        raise StageFailed(f"stage {stage!r} failed ({exit_codes.describe(code)}):\n" + "\n".join(tail), code)
     return "skipped" if skipped else "ran"
+
+
+def stop_process_group(proc: subprocess.Popen, echo) -> None:
+    """SIGTERM ``proc``'s process group, SIGKILL it after :data:`STOP_GRACE_S`."""
+    echo(f"stopping stage process group {proc.pid} (SIGTERM, SIGKILL after {STOP_GRACE_S:.0f}s)")
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def read_stage_metrics(stage: str, root: Path) -> dict:
@@ -65,7 +114,7 @@ def read_stage_metrics(stage: str, root: Path) -> dict:
 
 
 @task(name="stage", task_run_name="stage-{stage}", retries=2, retry_delay_seconds=exponential_backoff(10),
-      retry_jitter_factor=0.2, timeout_seconds=STAGE_TIMEOUT_S["local"])
+      retry_jitter_factor=0.2, retry_condition_fn=retry_transient, timeout_seconds=STAGE_TIMEOUT_S["local"])
 def run_stage(stage: str, root: str = ".", backend: str = "local", env: dict[str, str] | None = None,
               force: bool = False, k8s: dict | None = None) -> dict:
     """Run ``stage`` on ``backend``; returns ``{"stage", "status": ran|skipped, "seconds", "metrics"}``."""

@@ -56,7 +56,7 @@ def test_stage_cli_errors_name_the_key(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"\n')
     proc = _rlhf("stage", "prepare", "-S", "data.source=mixed", "-S", "data.sources=[{path: bad.jsonl}]",
                  cwd=tmp_path)
-    assert proc.returncode == 1 and "bad.jsonl:1: malformed JSON" in proc.stderr
+    assert proc.returncode == 65 and "bad.jsonl:1: malformed JSON" in proc.stderr  # bad input: not retried
 
 
 def test_help_has_examples(tmp_path):

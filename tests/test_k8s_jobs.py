@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class FakeCluster:
     """Answers the API calls submit_stage_job makes; job states and pod logs are scripted per poll."""
 
     job_states: list[dict]  # successive `status` objects returned by GET job
+    listed_jobs: list[dict] = field(default_factory=list)  # GET jobs?labelSelector=... answers these
     pods: list[dict] = field(default_factory=list)
     logs: list[str] = field(default_factory=list)  # successive GET log bodies
     requests: list[Request] = field(default_factory=list)
@@ -84,6 +86,9 @@ class FakeCluster:
             return FakeHTTPResponse(200, {"apiVersion": "batch/v1", "kind": "Job",
                                           "metadata": {"name": name, "namespace": NS, "uid": JOB_UID},
                                           "status": status})
+        if req.method == "GET" and req.path == jobs:
+            return FakeHTTPResponse(200, {"apiVersion": "batch/v1", "kind": "JobList", "metadata": {},
+                                          "items": self.listed_jobs})
         if req.method == "DELETE" and req.path.startswith(jobs + "/"):
             return FakeHTTPResponse(200, {"apiVersion": "v1", "kind": "Status", "status": "Success"})
         if req.method == "GET" and req.path == f"/api/v1/namespaces/{NS}/pods":
@@ -338,3 +343,127 @@ def test_stage_job_options_from_keyword_options_name_an_unknown_key():
     opts = StageJobOptions.from_dict("sft", {"gpus": 2, "memory": "100Gi"})
     assert (opts.procs_per_node, opts.job_name, opts.requests) == (2, "rlhf-sft", ("8", "100Gi", "8Gi"))
     assert opts.deadline_s == names.STAGE_DEADLINE_S["sft"]
+
+
+def test_interrupted_wait_deletes_the_job_and_re_raises():
+    """A task timeout or flow cancellation arrives while the Job runs: the Job is deleted, the interruption
+    propagates (the retry decision and the flow see it unchanged)."""
+    cluster = FakeCluster(job_states=[RUNNING])
+    batch, core = apis(cluster)
+
+    def interrupt(line: str) -> None:
+        if line.startswith("created job"):
+            return
+        raise KeyboardInterrupt
+
+    cluster.logs = ["2025-01-01T00:00:02Z step 1\n"]
+    cluster.pods = [pod("rlhf-rlhf-t6-a")]
+    with pytest.raises(KeyboardInterrupt):
+        submit.submit_stage_job("rlhf", name="rlhf-rlhf-t6", batch_api=batch, core_api=core, poll_s=0, log=interrupt)
+    (delete,) = [r for r in cluster.requests if r.method == "DELETE"]
+    assert delete.path == f"/apis/batch/v1/namespaces/{NS}/jobs/rlhf-rlhf-t6"
+    assert delete.query["propagationPolicy"] == "Background"
+
+
+def _listed(name: str, status: dict) -> dict:
+    return {"metadata": {"name": name, "namespace": NS, "labels": {names.FLOW_RUN_LABEL: "run-1"}}, "status": status}
+
+
+def test_delete_flow_run_jobs_deletes_the_running_ones_of_that_run():
+    cluster = FakeCluster(job_states=[RUNNING], listed_jobs=[
+        _listed("rlhf-sft-a1", COMPLETE), _listed("rlhf-rm-b2", RUNNING), _listed("rlhf-rlhf-c3", {})])
+    batch, _ = apis(cluster)
+    deleted = submit.delete_flow_run_jobs("run-1", NS, batch_api=batch, log=lambda _: None)
+    assert deleted == ["rlhf-rm-b2", "rlhf-rlhf-c3"]
+    (listing,) = [r for r in cluster.requests if r.method == "GET"]
+    assert listing.query["labelSelector"] == f"{names.FLOW_RUN_LABEL}=run-1"
+    assert [r.path.rsplit("/", 1)[1] for r in cluster.requests if r.method == "DELETE"] == deleted
+
+
+def test_flow_cancellation_hook_deletes_the_runs_jobs_in_every_namespace(monkeypatch):
+    """The flow's on_cancellation / on_crashed hook, given a real Prefect FlowRun with the kubernetes backend."""
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun
+
+    from flows.pipeline import rlhf_pipeline, stop_stage_jobs
+
+    assert stop_stage_jobs in rlhf_pipeline.on_cancellation_hooks and stop_stage_jobs in rlhf_pipeline.on_crashed_hooks
+    cluster = FakeCluster(job_states=[RUNNING], listed_jobs=[_listed("rlhf-rm-b2", RUNNING)])
+    monkeypatch.setattr(submit, "_load_apis", lambda b, c: apis(cluster))
+    params = {"backend": "kubernetes", "k8s": {"gpus": 8}, "k8s_stages": {"rlhf": {"namespace": "gpu"}}}
+    run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="r", parameters=params)
+    stop_stage_jobs(rlhf_pipeline, run, None)
+    lists = [r.path for r in cluster.requests if r.method == "GET"]
+    assert lists == [f"/apis/batch/v1/namespaces/{n}/jobs" for n in ("gpu", NS)]  # "gpu" answers 404: goes on
+    assert [r.path for r in cluster.requests if r.method == "DELETE"] == [f"/apis/batch/v1/namespaces/{NS}/jobs/"
+                                                                          "rlhf-rm-b2"]
+    assert all(r.query["labelSelector"] == f"{names.FLOW_RUN_LABEL}={run.id}" for r in cluster.requests
+               if r.method == "GET")
+    cluster.requests.clear()
+    stop_stage_jobs(rlhf_pipeline, FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="l",
+                                           parameters={"backend": "local"}), None)
+    assert cluster.requests == []
+
+
+def test_queue_priority_labels_and_annotations_land_on_job_and_pods():
+    opts = StageJobOptions("rlhf", queue="team-a", priority_class="training-low",
+                           labels={"team": "nlp", "rlhf-ops/stage": "spoofed"}, annotations={"owner": "nlp"})
+    job = render_stage_job(opts)
+    for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
+        assert meta["labels"][names.KUEUE_QUEUE_LABEL] == "team-a" and meta["labels"]["team"] == "nlp"
+        assert meta["labels"]["rlhf-ops/stage"] == "rlhf"  # selectors rely on the rlhf-ops labels: they win
+        assert meta["annotations"] == {"owner": "nlp"}
+    assert job["spec"]["template"]["spec"]["priorityClassName"] == "training-low"
+    assert job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2, 65]
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"labels": {"bad key!": "x"}}, "labels: 'bad key!' is not a valid key"),
+    ({"labels": {"team": "a b"}}, "labels: team='a b' is not a valid label value"),
+    ({"annotations": {"owner": 3}}, "annotations: owner=3 must be a string"),
+    ({"queue": "Team_A"}, "queue 'Team_A' is not a valid Kubernetes name"),
+])
+def test_bad_labels_queue_and_annotations_are_refused(kw, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        StageJobOptions("sft", **kw)
+
+
+def test_flow_k8s_parameters_are_typed_validated_and_labelled():
+    """``k8s`` / ``k8s_stages`` flow parameters: a typed schema for the Prefect UI, every stage's options
+    validated before anything runs (the error names stage and key), the flow run's label on each Job."""
+    from flows.pipeline import rlhf_pipeline, stage_job_options
+    from tasks.k8s.options import StageJobSettings
+
+    props = rlhf_pipeline.parameters.model_dump()["properties"]
+    assert {"k8s", "k8s_stages"} <= set(props)
+    defs = rlhf_pipeline.parameters.model_dump()["definitions"]["StageJobSettings"]
+    assert defs["additionalProperties"] is False and defs["properties"]["gpus"]["anyOf"][0]["type"] == "integer"
+    options = stage_job_options(["sft", "rlhf"], StageJobSettings(gpus=8, queue="q"), {"rlhf": {"nnodes": 2}},
+                                "run-1")
+    assert options["rlhf"] == {"gpus": 8, "queue": "q", "nnodes": 2, "labels": {names.FLOW_RUN_LABEL: "run-1"}}
+    assert "nnodes" not in options["sft"]
+    with pytest.raises(ValueError, match=r"stage 'rlhf'.*\n?gpu\n"):
+        stage_job_options(["rlhf"], None, {"rlhf": {"gpu": 2}}, None)
+    with pytest.raises(ValueError, match=r"stage 'prepare': the prepare stage runs in one process"):
+        stage_job_options(["prepare"], StageJobSettings(nnodes=2), None, None)
+    with pytest.raises(ValueError, match=r"k8s_stages: unknown stages \['train'\]"):
+        stage_job_options(["sft"], None, {"train": {}}, None)
+
+
+def test_prefect_yaml_deployment_parameters_validate_against_the_flow():
+    """Every deployment's parameters in prefect.yaml pass the flow's own validation, and the Kubernetes one
+    yields valid stage Jobs (so a typo there fails here, not at 3 am on the cluster)."""
+    from flows.pipeline import rlhf_pipeline, stage_job_options
+
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    for dep in deployments:
+        params = rlhf_pipeline.validate_parameters(dict(dep.get("parameters") or {}))
+        assert dep["concurrency_limit"]["limit"] == 1, dep["name"]
+        if params.get("backend") == "kubernetes":
+            options = stage_job_options(list(STAGE_NAMES), params.get("k8s"), params.get("k8s_stages"), "r")
+            rlhf_job = render_stage_job(StageJobOptions.from_dict("rlhf", options["rlhf"]))
+            assert rlhf_job["spec"]["completions"] == 2 and rlhf_job["metadata"]["labels"][names.KUEUE_QUEUE_LABEL]
+    bad = {**deployments[-1]["parameters"], "k8s": {"gpu": 8}}
+    with pytest.raises(Exception, match="gpu"):
+        rlhf_pipeline.validate_parameters(bad)

@@ -129,7 +129,9 @@ RENDER_VARIANTS = {
     "2x8gpu": {"nnodes": 2, "gpus": 8},
     "custom": {"gpus": 2, "nproc_per_node": 2, "params_path": "configs/gpu.yaml", "name": "my-sft",
                "node_selector": {"gpu": "a100"}, "tolerations": [], "env": {"RLHF_PARENT_RUN_ID": "abc"},
-               "seed_params": False},
+               "seed_params": False, "queue": "team-a", "priority_class": "training-low",
+               "labels": {"team": "nlp", "rlhf-ops/flow-run": "0c9e4f0a-1b2c-4d5e-8f90-0123456789ab"},
+               "annotations": {"example.com/owner": "Team NLP <nlp@example.com>"}},
 }
 
 

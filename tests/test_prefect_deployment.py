@@ -46,6 +46,8 @@ def test_scheduled_deployment_runs_on_a_process_worker(tmp_path):
             assert dep.schedules and dep.schedules[0].schedule.cron == "0 2 * * *"
             assert dep.schedules[0].schedule.timezone == "Europe/Amsterdam"
             assert dep.work_pool_name == "rlhf-process" and dep.parameters["backend"] == "local"
+            assert dep.global_concurrency_limit and dep.global_concurrency_limit.limit == 1
+            assert dep.concurrency_options.collision_strategy == "ENQUEUE"
 
         out = prefect("deployment", "run", "rlhf-pipeline/rlhf-nightly", "--param", 'stages=["prepare"]')
         run_id = next(line.split()[-1] for line in out.splitlines() if "UUID" in line)

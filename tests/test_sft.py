@@ -177,7 +177,7 @@ def test_stage_cli_reports_bad_input_clearly(ws):
     args = [a for o in TINY for a in ("-S", o)]
     proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stage", "sft", *args], cwd=ws,
                           capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == 65, proc.stderr[-2000:]  # bad input (exit_codes.BAD_INPUT)
     assert "tokenizer vocab does not fit the model" in proc.stderr
 
 

@@ -25,7 +25,8 @@ COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}  # set by NVIDIA GPU feature discovery / the GPU operator
 GPU_TOLERATIONS = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-CONFIG_ERROR_EXIT_CODE = 2  # `rlhf stage` exits 2 on bad params / usage: retrying cannot help
+FLOW_RUN_LABEL = "rlhf-ops/flow-run"  # the Prefect flow run that created a Job: its cancellation deletes them
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 # Wall-clock budget per stage (Job.spec.activeDeadlineSeconds); the clock restarts when a Job is re-created.
 STAGE_DEADLINE_S = {"prepare": 4 * 3600, "sft": 48 * 3600, "rm": 48 * 3600, "rlhf": 72 * 3600, "evaluate": 12 * 3600}
@@ -64,6 +65,21 @@ def stage_labels(stage: str, job_name: str) -> dict[str, str]:
 def master_addr(job_name: str, service: str | None = None) -> str:
     """Pod 0's DNS name: Indexed Job pods are named ``<job>-<index>`` and published by the headless service."""
     return f"{job_name}-0.{service or job_name}"
+
+
+_LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def check_labels(kind: str, labels: dict[str, str], values: bool = True) -> None:
+    """Kubernetes label (or, ``values=False``, annotation) keys and label values; the error names the entry."""
+    for key, value in labels.items():
+        if not isinstance(key, str) or not _LABEL_KEY_RE.match(key):
+            raise ValueError(f"{kind}: {key!r} is not a valid key ([prefix/]name, name <= 63 characters)")
+        if values and (not isinstance(value, str) or not _LABEL_VALUE_RE.match(value)):
+            raise ValueError(f"{kind}: {key}={value!r} is not a valid label value (<= 63 alphanumerics, '-_.')")
+        if not values and not isinstance(value, str):
+            raise ValueError(f"{kind}: {key}={value!r} must be a string")
 
 
 def check_name(kind: str, value: str) -> None:

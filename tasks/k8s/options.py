@@ -1,14 +1,17 @@
 """``StageJobOptions``: everything a stage Job (or Kubeflow PyTorchJob) can be configured with, validated once.
 
 The renderers (``tasks.k8s.render``), the submitter (``tasks.k8s.submit``) and the CLI all take this one
-object; ``StageJobOptions.from_dict`` builds it from keyword options (a flow's ``k8s`` parameter) and names
-an unknown key.
+object; ``StageJobOptions.from_dict`` builds it from keyword options and names an unknown key.
+``StageJobSettings`` is the typed flow parameter / deployment value derived from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import get_type_hints
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s.names import (
@@ -21,6 +24,7 @@ from tasks.k8s.names import (
     STAGE_SERVICE_ACCOUNT,
     TTL_AFTER_FINISHED_S,
     WORKSPACE_PVC,
+    check_labels,
     check_name,
     default_job_name,
 )
@@ -52,6 +56,10 @@ class StageJobOptions:
     backoff_limit: int = BACKOFF_LIMIT
     ttl_s: int = TTL_AFTER_FINISHED_S  # finished Jobs are deleted after this
     image_pull_policy: str = "IfNotPresent"
+    labels: dict[str, str] | None = None  # on the Job and its pods (after the rlhf-ops labels, which win)
+    annotations: dict[str, str] | None = None  # on the Job and its pods
+    queue: str | None = None  # Kueue LocalQueue: the kueue.x-k8s.io/queue-name label (Kueue admits the Job)
+    priority_class: str | None = None  # the pods' priorityClassName (preemption order)
 
     def __post_init__(self) -> None:
         if self.stage not in STAGE_NAMES:
@@ -70,6 +78,12 @@ class StageJobOptions:
             raise ValueError(f"params_path must be relative to the workspace, got {self.params_path!r}")
         check_name("job name", self.job_name)
         check_name("namespace", self.namespace)
+        check_labels("labels", self.labels or {})
+        check_labels("annotations", self.annotations or {}, values=False)
+        if self.queue is not None:
+            check_name("queue", self.queue)
+        if self.priority_class is not None:
+            check_name("priority_class", self.priority_class)
 
     @classmethod
     def from_dict(cls, stage: str, options: dict) -> StageJobOptions:
@@ -103,3 +117,48 @@ class StageJobOptions:
     @property
     def deadline_s(self) -> int:
         return self.active_deadline_s or STAGE_DEADLINE_S[self.stage]
+
+
+# What a flow run or a deployment may set (the flow names each Job and sets its env and params itself).
+_FLOW_SET = ("stage", "name", "env", "seed_params", "params_path")
+
+
+def _settings_model() -> type[BaseModel]:
+    """``StageJobSettings``: the fields of :class:`StageJobOptions` a flow parameter sets, typed from the
+    dataclass (one declaration), unknown keys refused. Prefect shows it as a form and validates a run's value."""
+    hints = get_type_hints(StageJobOptions)
+    declared = {f.name: (hints[f.name], f.default) for f in fields(StageJobOptions) if f.name not in _FLOW_SET}
+    return create_model("StageJobSettings", __config__=ConfigDict(extra="forbid"), **declared)
+
+
+StageJobSettings = _settings_model()
+
+
+def flow_stage_options(stage: str, common: BaseModel | dict | None, per_stage: dict | None) -> dict:
+    """The ``StageJobOptions`` keywords of one stage: the flow's ``k8s`` settings, then its ``k8s_stages[stage]``
+    (only keys that were set; a dict is validated as :data:`StageJobSettings` first). Raises ``ValueError``
+    naming the stage and the bad key."""
+    merged: dict = {}
+    for layer in (common, (per_stage or {}).get(stage)):
+        if layer is None:
+            continue
+        if isinstance(layer, dict):
+            try:
+                layer = StageJobSettings.model_validate(layer)
+            except ValidationError as err:
+                raise ValueError(f"Kubernetes options for stage {stage!r}: {err}") from None
+        merged.update(layer.model_dump(exclude_unset=True))
+    try:
+        StageJobOptions.from_dict(stage, merged)
+    except ValueError as err:
+        raise ValueError(f"Kubernetes options for stage {stage!r}: {err}") from None
+    return merged
+
+
+def job_namespaces(common: BaseModel | dict | None, per_stage: dict | None) -> list[str]:
+    """The namespaces a flow's stage Jobs run in (its ``k8s`` / ``k8s_stages`` values, raw or validated)."""
+    def namespace(layer) -> str | None:
+        return layer.get("namespace") if isinstance(layer, dict) else getattr(layer, "namespace", None)
+
+    found = {namespace(layer) for layer in [common, *(per_stage or {}).values()] if layer is not None}
+    return sorted((found - {None}) | ({NAMESPACE} if namespace(common) is None else set()))

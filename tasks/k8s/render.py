@@ -12,15 +12,16 @@ from typing import Any
 
 import yaml
 
+from rlhf_core.stages import exit_codes
 from tasks.k8s.names import (
     COMPLETION_INDEX_ANNOTATION,
-    CONFIG_ERROR_EXIT_CODE,
     CONTAINER,
     CREDENTIALS_SECRET,
     ENDPOINTS_CONFIGMAP,
     GPU_NODE_SELECTOR,
     GPU_RESOURCE,
     GPU_TOLERATIONS,
+    KUEUE_QUEUE_LABEL,
     MASTER_PORT,
     NAMESPACE,
     PARAMS_MOUNT_DIR,
@@ -155,6 +156,8 @@ def pod_spec(opts: StageJobOptions, *, command: list[str], env: list[dict], cont
         spec["nodeSelector"] = node_selector
     if tolerations:
         spec["tolerations"] = tolerations
+    if opts.priority_class:
+        spec["priorityClassName"] = opts.priority_class
     spec["volumes"] = volumes
     return spec
 
@@ -174,7 +177,7 @@ def render_stage_job(opts: StageJobOptions) -> dict:
         # Declared explicitly (the Job controller injects the same) so $(JOB_COMPLETION_INDEX) expands in `command`.
         pod_env = [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}] + pod_env
-    labels = stage_labels(opts.stage, name)
+    labels = job_labels(opts)
     pod = pod_spec(opts, command=command, env=pod_env)
     pod["restartPolicy"] = "Never"
     if nnodes > 1:
@@ -185,9 +188,9 @@ def render_stage_job(opts: StageJobOptions) -> dict:
         "activeDeadlineSeconds": opts.deadline_s,
         "ttlSecondsAfterFinished": opts.ttl_s,
         "podFailurePolicy": {"rules": [
-            # Bad params / usage: fail now instead of burning retries.
+            # Bad params or bad input (rlhf_core.stages.exit_codes.PERMANENT): fail now, a retry cannot help.
             {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                                                  "values": [CONFIG_ERROR_EXIT_CODE]}},
+                                                  "values": sorted(exit_codes.PERMANENT)}},
             # Preemption, eviction, node drain: retry without counting against backoffLimit; the new pod
             # resumes from checkpoints/ on the workspace volume.
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
@@ -195,9 +198,24 @@ def render_stage_job(opts: StageJobOptions) -> dict:
     }
     if nnodes > 1:
         spec.update({"completionMode": "Indexed", "completions": nnodes, "parallelism": nnodes})
-    spec["template"] = {"metadata": {"labels": dict(labels)}, "spec": pod}
+    spec["template"] = {"metadata": object_meta(opts, labels), "spec": pod}
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": name, "namespace": opts.namespace, "labels": labels}, "spec": spec}
+            "metadata": {"name": name, "namespace": opts.namespace, **object_meta(opts, labels)}, "spec": spec}
+
+
+def job_labels(opts: StageJobOptions) -> dict[str, str]:
+    """The user's labels, the Kueue queue label, then the rlhf-ops labels (which selectors rely on, so they win)."""
+    labels = dict(opts.labels or {})
+    if opts.queue:
+        labels[KUEUE_QUEUE_LABEL] = opts.queue
+    return {**labels, **stage_labels(opts.stage, opts.job_name)}
+
+
+def object_meta(opts: StageJobOptions, labels: dict[str, str]) -> dict:
+    meta: dict[str, Any] = {"labels": dict(labels)}
+    if opts.annotations:
+        meta["annotations"] = dict(opts.annotations)
+    return meta
 
 
 def wait_for_master(job_name: str, image: str, image_pull_policy: str) -> dict:
@@ -258,11 +276,11 @@ def render_pytorchjob(opts: StageJobOptions) -> dict:
     tail = ["stage", opts.stage] + ([] if opts.params_path == "params.yaml" else ["-p", opts.params_path])
     command = ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={opts.procs_per_node}", "--node_rank=$(RANK)",
                "--master_addr=$(MASTER_ADDR)", "--master_port=$(MASTER_PORT)", "-m", "rlhf_core.cli", *tail]
-    labels = stage_labels(opts.stage, name)
+    labels = job_labels(opts)
     pod = pod_spec(opts, command=command, env=stage_env(opts.env), container_name="pytorch")
     # The operator's MASTER_PORT comes from the container port named pytorchjob-port.
     pod["containers"][0]["ports"] = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}]
-    template = {"metadata": {"labels": dict(labels)}, "spec": pod}
+    template = {"metadata": object_meta(opts, labels), "spec": pod}
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if nnodes > 1:
         replicas["Worker"] = {"replicas": nnodes - 1, "restartPolicy": "OnFailure",
@@ -270,7 +288,7 @@ def render_pytorchjob(opts: StageJobOptions) -> dict:
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": name, "namespace": opts.namespace, "labels": labels},
+        "metadata": {"name": name, "namespace": opts.namespace, **object_meta(opts, labels)},
         "spec": {
             "nprocPerNode": str(opts.procs_per_node),
             "runPolicy": {

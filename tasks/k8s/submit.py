@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_core.stages import STAGE_TIMEOUT_S
-from tasks.k8s.names import COMPLETION_INDEX_ANNOTATION, NAMESPACE, default_job_name
+from tasks.k8s.names import COMPLETION_INDEX_ANNOTATION, FLOW_RUN_LABEL, NAMESPACE, default_job_name
 from tasks.k8s.options import StageJobOptions
 from tasks.k8s.render import render_stage_resources
 
@@ -136,7 +136,8 @@ def submit_stage_job(
     Runs against the workspace's ``params.yaml`` as the calling flow left it (``seed_params=False``).
     Returns ``{"stage", "job_name", "namespace", "status": "succeeded", "pods", "seconds"}``; raises
     :class:`StageJobFailed` naming the Job's reason and the pod's termination reason (e.g. ``OOMKilled``)
-    or :class:`StageJobTimeout` (after deleting the Job, so a retry does not race it).
+    or :class:`StageJobTimeout` (after deleting the Job, so a retry does not race it). Interrupted while
+    waiting (task timeout, flow cancellation, Ctrl-C, a lost API connection) it deletes the Job and re-raises.
     """
     from kubernetes import client
 
@@ -156,6 +157,48 @@ def submit_stage_job(
                                                "uid": created.metadata.uid}]
         core_api.create_namespaced_service(namespace, client.V1Service.from_dict(svc))
     container = manifest["spec"]["template"]["spec"]["containers"][0]["name"]
+    try:
+        return _wait_for_job(stage, name, namespace, container, batch_api, core_api, emit, start, timeout_s, poll_s,
+                             delete_on_timeout)
+    except StageJobFailed:
+        raise
+    except BaseException:  # task timeout, flow cancellation, Ctrl-C, a lost API connection: stop what we started
+        _delete_quietly(batch_api, name, namespace, emit)
+        raise
+
+
+def _delete_quietly(batch_api, name: str, namespace: str, emit: Callable[[str], None]) -> None:
+    try:
+        batch_api.delete_namespaced_job(name, namespace, propagation_policy="Background")
+        emit(f"deleted job {namespace}/{name} (the task was interrupted)")
+    except Exception as err:  # the original interruption is what the caller must see
+        emit(f"could not delete job {namespace}/{name}: {err}")
+
+
+def delete_flow_run_jobs(flow_run_id: str, namespace: str = NAMESPACE, batch_api=None,
+                         log: Callable[[str], None] | None = None) -> list[str]:
+    """Delete the stage Jobs a flow run created (label ``rlhf-ops/flow-run=<id>``), pods included.
+
+    For the flow's cancellation and crash hooks: a flow run that stops leaves no GPU Job behind.
+    Returns the deleted Jobs' names.
+    """
+    emit = log or _log.info
+    if batch_api is None:
+        batch_api, _ = _load_apis(None, None)
+    jobs = batch_api.list_namespaced_job(namespace, label_selector=f"{FLOW_RUN_LABEL}={flow_run_id}").items or []
+    deleted = []
+    for job in jobs:
+        if _job_condition(job)[0] in ("Complete", "Failed"):
+            continue  # finished: its TTL removes it; its pods keep the logs until then
+        batch_api.delete_namespaced_job(job.metadata.name, namespace, propagation_policy="Background")
+        emit(f"deleted job {namespace}/{job.metadata.name} of flow run {flow_run_id}")
+        deleted.append(job.metadata.name)
+    return deleted
+
+
+def _wait_for_job(stage: str, name: str, namespace: str, container: str, batch_api, core_api,
+                  emit: Callable[[str], None], start: float, timeout_s: float, poll_s: float,
+                  delete_on_timeout: bool) -> dict:
     follower = LogFollower(core_api, namespace, container, emit)
     selector = f"rlhf-ops/job={name}"
     pods: list = []
