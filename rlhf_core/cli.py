@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
-from rlhf_core.stages import STAGES, exit_codes
+from rlhf_core.stages import CHECKPOINTED_STAGES, STAGES, exit_codes
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -71,7 +71,11 @@ def stage_cmd(
         fail(str(err))
     from rlhf_core import tracking
     from rlhf_core.data.readers import DataError
+    from rlhf_core.engine import stop
     from rlhf_core.progress import StageProgress
+
+    if name in CHECKPOINTED_STAGES:
+        stop.install(params.compute.stop_grace_s)
 
     try:
         with tracking.stage_run(name, params, Path(".")) as mlflow_log, StageProgress(name, console) as show:
@@ -84,6 +88,8 @@ def stage_cmd(
             result = fn(params, Path("."), log)
     except tracking.TrackingUnavailable as err:
         fail(str(err), code=exit_codes.TRACKING_UNAVAILABLE)
+    except stop.StopRequested as err:
+        fail(f"stage {name}: {err}", code=exit_codes.STOPPED)
     except (DataError, ConfigError, ValueError) as err:  # a retry would fail the same way
         fail(f"stage {name}: {err}", code=exit_codes.BAD_INPUT)
     if isinstance(result, dict) and "counts" in result:

@@ -158,6 +158,10 @@ class ComputeConfig(_Section):
     num_threads: int = Field(0, ge=0, description="torch CPU threads; 0: all cores split over local processes.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel passed to transformers.")
+    stop_grace_s: float = Field(
+        600.0, gt=0.0, description="After SIGTERM a training stage checkpoints at the next step boundary and "
+                                   "exits 75; with no boundary within this many seconds it exits 143 (the previous "
+                                   "checkpoint stands). Keep the pod's terminationGracePeriodSeconds above it.")
 
 
 # --------------------------------------------------------------------------- stages

@@ -318,3 +318,60 @@ def test_hacking_flag_is_proxy_up_and_judge_down():
     assert hacking_suspected(sft, {"proxy_reward": 3.45, "accuracy": 0.83}) is False  # both up: learning
     assert hacking_suspected(sft, {"proxy_reward": 1.5, "accuracy": 0.5}) is False  # both down: just worse
     assert hacking_suspected({}, {"proxy_reward": 1.0, "accuracy": 0.5}) is None
+
+
+# --------------------------------------------------------------------------- preemption
+SIGTERM_RUNS = {
+    "sft": ["sft.epochs=40", "sft.lr=3e-3", "sft.micro_batch_size=16", "sft.max_steps=40", "sft.log_every=1",
+            "sft.save_every=0", "eval.max_prompts=2"],
+    "rlhf": [*RL, "rlhf.num_steps=40", "eval.max_prompts=2"],
+}
+
+
+def _stage_cli(stage: str, root: Path, overrides: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLHF_TRACKING": "off"}
+    args = [a for o in [*TINY, *overrides] for a in ("-S", o)]
+    return subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "stage", stage, *args], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", sorted(SIGTERM_RUNS))
+def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run(ws, tmp_path, stage):
+    """A real SIGTERM to a running ``rlhf stage`` process (what Kubernetes sends on preemption): the stage
+    finishes its step, checkpoints it and exits 75; the re-run resumes there and ends with the weights of a run
+    that was never interrupted."""
+    import signal
+
+    from rlhf_core.stages import exit_codes
+
+    overrides = SIGTERM_RUNS[stage]
+    full = tmp_path / "full"
+    shutil.copytree(ws, full)
+    proc = _stage_cli(stage, ws, overrides)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
+            proc.send_signal(signal.SIGTERM)
+            break
+    err = "".join(lines) + proc.stderr.read()
+    assert proc.wait(timeout=300) == exit_codes.STOPPED, err[-3000:]
+    latest = (ws / f"checkpoints/{stage}/latest").read_text().strip()
+    stopped_at = int(latest.removeprefix("step_"))
+    assert 3 <= stopped_at < 40 and f"stopped on SIGTERM after step {stopped_at}" in err, err[-3000:]
+    if stage == "rlhf":
+        assert not (ws / "models/actor/model.safetensors").exists()  # stopped before the end: no final model
+
+    again = _stage_cli(stage, ws, overrides)
+    out, err2 = again.communicate(timeout=600)
+    assert again.returncode == 0, err2[-3000:]
+    metrics = json.loads((ws / f"metrics/{stage}.json").read_text())
+    assert metrics["resumed_from_step"] == stopped_at and metrics["steps"] == 40
+
+    uninterrupted = _stage_cli(stage, full, overrides)
+    _, err3 = uninterrupted.communicate(timeout=600)
+    assert uninterrupted.returncode == 0, err3[-3000:]
+    out_dir = "actor" if stage == "rlhf" else "sft"
+    a, b = _weights(ws / "models" / out_dir), _weights(full / "models" / out_dir)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

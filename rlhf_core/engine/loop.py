@@ -21,6 +21,7 @@ from rlhf_core.engine.checkpoint import CheckpointManager
 from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.errors import NonFiniteLossError
 from rlhf_core.engine.sampler import ResumableSampler, StepPlan
+from rlhf_core.engine.stop import StopRequested, stop_requested
 
 LogFn = Callable[[dict, int], None]
 
@@ -57,7 +58,8 @@ def fit(engine: TrainEngine, plan: StepPlan, sampler: ResumableSampler, collate:
         loss_fn: Callable[[TrainEngine, Any], tuple[torch.Tensor, dict]], state: TrainState,
         ckpt: CheckpointManager | None, log: LogFn | None, save_every: int = 0, log_every: int = 1,
         hooks: Hooks | None = None) -> TrainState:
-    """Train from ``state`` to ``plan.total_steps``; checkpoint every ``save_every`` steps and at the end."""
+    """Train from ``state`` to ``plan.total_steps``; checkpoint every ``save_every`` steps and at the end, and
+    after a SIGTERM at the step it interrupted (then raise :class:`StopRequested`)."""
     hooks = hooks or Hooks()
     engine.train()
     accum = plan.grad_accum
@@ -98,8 +100,13 @@ def fit(engine: TrainEngine, plan: StepPlan, sampler: ResumableSampler, collate:
                    "tokens_per_s": tokens / dt if dt > 0 else 0.0, "epoch": epoch}
         state.curve.append({"step": state.step, **{k: round(v, 6) for k, v in sums.items()}})
         window.append(metrics)
-        if ckpt is not None and ((save_every and state.step % save_every == 0) or state.step == plan.total_steps):
+        saved = ckpt is not None and ((save_every and state.step % save_every == 0) or state.step == plan.total_steps)
+        if saved:
             ckpt.save(engine, state.step, state.to_json())
+        if stop_requested():  # SIGTERM: checkpoint this step and leave (a re-run resumes here)
+            if ckpt is not None and not saved:
+                ckpt.save(engine, state.step, state.to_json())
+            raise StopRequested(state.step, str(ckpt.latest_path()) if ckpt is not None else None)
         if log is not None and D.is_main() and (state.step % log_every == 0 or state.step == plan.total_steps):
             avg = {k: sum(m[k] for m in window) / len(window) for k in sums}
             log({**metrics, **avg}, state.step)

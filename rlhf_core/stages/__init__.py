@@ -16,6 +16,8 @@ STAGES: dict[str, str] = {
     "evaluate": "rlhf_core.stages.evaluate:run",
 }
 STAGE_NAMES: tuple[str, ...] = tuple(STAGES)
+# stages that checkpoint: a SIGTERM makes them save and exit 75 (``rlhf_core.engine.stop``)
+CHECKPOINTED_STAGES: tuple[str, ...] = ("sft", "rm", "rlhf")
 
 # wall-clock bound of one stage attempt, per backend (a GPU Job may train for days)
 STAGE_TIMEOUT_S: dict[str, int] = {"local": 4 * 3600, "kubernetes": 72 * 3600}

@@ -10,6 +10,9 @@ code   meaning                                                      retried (Pre
 65     input the stage refuses: data, a model directory, params     no
        that contradict the inputs (``EX_DATAERR``); the message
        names the file, line or key
+75     stopped by SIGTERM after saving a checkpoint (preemption,    yes: the retry resumes from that checkpoint
+       eviction; ``EX_TEMPFAIL``)
+143    SIGTERM, but no step boundary within ``compute.stop_grace_s``  yes: from the previous checkpoint
 <0     killed by a signal (``-9``: OOM killer or node loss; DVC     yes
        reports ``-N``, a container ``128 + N``)
 =====  ==========================================================  =========================================
@@ -25,6 +28,7 @@ CRASHED = 1
 BAD_CONFIG = 2
 TRACKING_UNAVAILABLE = 3
 BAD_INPUT = 65
+STOPPED = 75
 
 PERMANENT: frozenset[int] = frozenset({BAD_CONFIG, BAD_INPUT})
 MEANING: dict[int, str] = {
@@ -33,6 +37,7 @@ MEANING: dict[int, str] = {
     BAD_CONFIG: "bad usage or invalid params",
     TRACKING_UNAVAILABLE: "MLflow unreachable",
     BAD_INPUT: "bad input",
+    STOPPED: "stopped on SIGTERM, checkpointed",
 }
 
 

@@ -67,7 +67,7 @@ def fingerprint(params: Params, stage: str, section: OptimConfig, inputs: dict[s
     sec = section.model_dump(mode="json", exclude=set(_NON_TRAINING_KEYS) | set(ignore))
     return {"stage": stage, "seed": params.project.seed, "section": sec,
             "model": params.model.model_dump(mode="json"),
-            "compute": params.compute.model_dump(mode="json", exclude={"num_threads"}),
+            "compute": params.compute.model_dump(mode="json", exclude={"num_threads", "stop_grace_s"}),
             "data_limits": [params.data.max_prompt_len, params.data.max_response_len],
             "inputs": inputs, "world_size": D.world_size(), **extra}
 

@@ -60,6 +60,8 @@ class StageJobOptions:
     annotations: dict[str, str] | None = None  # on the Job and its pods
     queue: str | None = None  # Kueue LocalQueue: the kueue.x-k8s.io/queue-name label (Kueue admits the Job)
     priority_class: str | None = None  # the pods' priorityClassName (preemption order)
+    # SIGTERM -> SIGKILL: above compute.stop_grace_s (600) plus one checkpoint write, so a preempted stage saves
+    termination_grace_s: int = 900
 
     def __post_init__(self) -> None:
         if self.stage not in STAGE_NAMES:
@@ -80,6 +82,8 @@ class StageJobOptions:
         check_name("namespace", self.namespace)
         check_labels("labels", self.labels or {})
         check_labels("annotations", self.annotations or {}, values=False)
+        if self.termination_grace_s < 0:
+            raise ValueError(f"termination_grace_s must be >= 0 (got {self.termination_grace_s})")
         if self.queue is not None:
             check_name("queue", self.queue)
         if self.priority_class is not None:

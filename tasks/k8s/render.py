@@ -134,6 +134,7 @@ def pod_spec(opts: StageJobOptions, *, command: list[str], env: list[dict], cont
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": security_context_pod(),
+        "terminationGracePeriodSeconds": opts.termination_grace_s,  # a SIGTERMed stage checkpoints, then exits 75
     }
     if opts.seed_params:
         # Copy the params ConfigMap onto the workspace, so the stage reads ./params.yaml like `dvc repro` does.

@@ -37,6 +37,7 @@ from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import NonFiniteLossError, TrainingInputError
 from rlhf_core.engine.loop import LogFn
 from rlhf_core.engine.sampler import ResumableSampler, StepPlan
+from rlhf_core.engine.stop import StopRequested, stop_requested
 from rlhf_core.evaluation import heldout_eval
 from rlhf_core.generation import GenerationConfig
 from rlhf_core.trainers.rlhf.algorithms import algorithm_for, compute_advantages
@@ -316,6 +317,15 @@ class RLHFTrainer:
     def train(self) -> None:
         while self.state.step < self.stop_at:
             self.step()
+            if stop_requested():  # SIGTERM: checkpoint this iteration and leave (a re-run resumes here)
+                self._stop()
+
+    def _stop(self) -> None:
+        ckpt, state = self.ckpt, self.state
+        if ckpt is not None and ckpt.latest_tag() != f"step_{state.step:08d}":
+            ema = self.ema.state_dict() if self.ema is not None else None
+            ckpt.save(self.engines, state.step, state.to_json(), ema)
+        raise StopRequested(state.step, str(ckpt.latest_path()) if ckpt is not None else None)
 
     def sample_table(self, rows: int = 32) -> dict[str, list]:
         """The first ``rows`` sampled responses of this iteration's last generation batch: prompt, response,
