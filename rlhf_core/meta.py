@@ -23,6 +23,23 @@ def git_sha(cwd: str | Path = ".") -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def code_lineage(root: str | Path = ".") -> dict[str, str]:
+    """Which code ran: the checkout's git sha, else the one baked into the image (``RLHF_GIT_SHA``, a build
+    arg), else ``unknown``; the package version; the image the pod runs (``RLHF_IMAGE``, set in every stage
+    pod) and its digest when the reference pins one (``repo@sha256:...``)."""
+    import os
+
+    sha = git_sha(root) or os.environ.get("RLHF_GIT_SHA", "").strip()
+    out = {"git_sha": sha if sha and sha != "unknown" else "unknown",
+           "version": versions().get("rlhf-ops", "unknown")}
+    image = os.environ.get("RLHF_IMAGE", "").strip()
+    if image:
+        out["image"] = image
+        if "@" in image:
+            out["image_digest"] = image.rsplit("@", 1)[1]
+    return out
+
+
 def versions() -> dict[str, str]:
     found = {}
     for name in _PACKAGES:
@@ -56,7 +73,7 @@ def build_meta(stage: str, params_hash: str, inputs: dict[str, str] | None = Non
         "stage": stage,
         "params_hash": params_hash,
         "inputs": inputs or {},
-        "git_sha": git_sha(),
+        **{k: v for k, v in code_lineage().items() if k != "version"},
         "versions": versions(),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **extra,

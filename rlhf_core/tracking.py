@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rlhf_core import paths
 from rlhf_core.config import Params
-from rlhf_core.meta import git_sha
+from rlhf_core.meta import code_lineage
 
 ENV_PARENT = "RLHF_PARENT_RUN_ID"
 ENV_TRACKING = "RLHF_TRACKING"
@@ -150,7 +150,7 @@ def dvc_out_hash(out: str, root: str | Path = ".") -> str | None:
 
 def lineage_tags(params: Params, stage: str, root: str | Path = ".") -> dict[str, str]:
     tags = {"rlhf.stage": stage, "rlhf.params_hash": params.section_hash(*STAGE_SECTIONS.get(stage, ())),
-            "rlhf.git_sha": git_sha(root) or "unknown"}
+            **{f"rlhf.{k}": v for k, v in code_lineage(root).items()}}
     data_hash = dvc_out_hash(str(paths.PREPARED), root)
     if data_hash:
         tags["rlhf.dvc.data_prepared"] = data_hash

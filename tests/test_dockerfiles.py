@@ -223,3 +223,13 @@ def test_dockerignore():
     for item in sorted(needed):
         probe = item if "." in Path(item).name else f"{item}/__init__.py"
         assert not dockerignore_excludes(patterns, probe), f"{probe} is COPYed but excluded by .dockerignore"
+
+
+@pytest.mark.parametrize("flavor", DOCKERFILES)
+def test_image_carries_its_commit_for_lineage(flavor):
+    """No .git in the image: the commit comes in as a build arg and reaches lineage as RLHF_GIT_SHA."""
+    final = stages(DOCKERFILES[flavor])[-1]
+    assert "GIT_SHA=unknown" in [a for k, a in final if k == "ARG"]
+    env = dict(kv for k, a in final if k == "ENV" for kv in key_values(a))
+    assert env["RLHF_GIT_SHA"] == "${GIT_SHA}"
+    assert any('org.opencontainers.image.revision="${GIT_SHA}"' in a for k, a in final if k == "LABEL")

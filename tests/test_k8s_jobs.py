@@ -467,3 +467,20 @@ def test_prefect_yaml_deployment_parameters_validate_against_the_flow():
     bad = {**deployments[-1]["parameters"], "k8s": {"gpu": 8}}
     with pytest.raises(Exception, match="gpu"):
         rlhf_pipeline.validate_parameters(bad)
+
+
+def test_lineage_without_git_reads_the_image(tmp_path, monkeypatch):
+    """In a stage pod (no .git): the commit baked into the image, the image reference and its pinned digest."""
+    from rlhf_core.meta import code_lineage
+
+    image = "registry.example.com/rlhf-ops@sha256:" + "a" * 64
+    env = {e["name"]: e.get("value") for e in _container(render_stage_job(StageJobOptions("sft", image=image)))["env"]}
+    assert env["RLHF_IMAGE"] == image
+    monkeypatch.setenv("RLHF_GIT_SHA", "0123abcd")
+    monkeypatch.setenv("RLHF_IMAGE", image)
+    lineage = code_lineage(tmp_path)  # not a git checkout
+    assert lineage["git_sha"] == "0123abcd" and lineage["image_digest"] == "sha256:" + "a" * 64
+    assert lineage["image"] == image and lineage["version"] != "unknown"
+    monkeypatch.setenv("RLHF_GIT_SHA", "unknown")
+    monkeypatch.delenv("RLHF_IMAGE")
+    assert code_lineage(tmp_path) == {"git_sha": "unknown", "version": lineage["version"]}

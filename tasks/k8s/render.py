@@ -74,8 +74,9 @@ def security_context_container() -> dict:
     }
 
 
-def stage_env(extra: dict[str, str] | None) -> list[dict]:
-    """Endpoints from the ``rlhf-endpoints`` ConfigMap, credentials as optional Secret references.
+def stage_env(extra: dict[str, str] | None, image: str | None = None) -> list[dict]:
+    """Endpoints from the ``rlhf-endpoints`` ConfigMap, credentials as optional Secret references, and
+    ``RLHF_IMAGE`` (the image reference, for lineage: the image has no ``.git``).
 
     ``extra`` (plain values, e.g. the flow's parent MLflow run id) replaces entries of the same name.
     """
@@ -87,6 +88,7 @@ def stage_env(extra: dict[str, str] | None) -> list[dict]:
                                                              "optional": True}}}
 
     env = [
+        *([{"name": "RLHF_IMAGE", "value": image}] if image else []),  # first: where a kustomize patch puts it
         cm("MLFLOW_TRACKING_URI"),
         cm("PREFECT_API_URL"),
         secret("MLFLOW_TRACKING_USERNAME"),
@@ -173,7 +175,7 @@ def render_stage_job(opts: StageJobOptions) -> dict:
     """
     name, nnodes = opts.job_name, opts.nnodes
     command = stage_command(opts.stage, opts.params_path, nnodes, opts.procs_per_node, job_name=name, service=name)
-    pod_env = stage_env(opts.env)
+    pod_env = stage_env(opts.env, opts.image)
     if nnodes > 1:
         # Declared explicitly (the Job controller injects the same) so $(JOB_COMPLETION_INDEX) expands in `command`.
         pod_env = [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
@@ -278,7 +280,7 @@ def render_pytorchjob(opts: StageJobOptions) -> dict:
     command = ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={opts.procs_per_node}", "--node_rank=$(RANK)",
                "--master_addr=$(MASTER_ADDR)", "--master_port=$(MASTER_PORT)", "-m", "rlhf_core.cli", *tail]
     labels = job_labels(opts)
-    pod = pod_spec(opts, command=command, env=stage_env(opts.env), container_name="pytorch")
+    pod = pod_spec(opts, command=command, env=stage_env(opts.env, opts.image), container_name="pytorch")
     # The operator's MASTER_PORT comes from the container port named pytorchjob-port.
     pod["containers"][0]["ports"] = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}]
     template = {"metadata": object_meta(opts, labels), "spec": pod}
