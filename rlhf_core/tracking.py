@@ -98,6 +98,12 @@ def _answers(uri: str) -> bool:
         return False
 
 
+# The MLflow 3 UI opens an experiment in the view its kind names; without the tag it may guess the GenAI view
+# (traces, judges). Ours trains models: runs, metrics and models are what a user should land on.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
 def setup(params: Params, root: str | Path = ".") -> str:
     """Point mlflow at the tracking URI, make sure the project's experiment exists and make it the active one
     (runs started later, e.g. by ``rlhf register``, land there); returns its id."""
@@ -118,6 +124,8 @@ def setup(params: Params, root: str | Path = ".") -> str:
         if not uri.startswith(("http://", "https://", "databricks")):
             artifact_location = (root / params.project.workspace / "mlartifacts").resolve().as_uri()
         experiment_id = mlflow.create_experiment(name, artifact_location=artifact_location)
+    if exp is None or EXPERIMENT_KIND_TAG not in exp.tags:  # a kind the user chose in the UI stays
+        mlflow.MlflowClient().set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
 

@@ -167,3 +167,20 @@ def test_mlflow_outage_mid_stage_keeps_the_model_and_register_retries_later(tmp_
         runs = client.search_runs([client.get_experiment_by_name("rlhf-demo").experiment_id])
         names = {r.info.run_name for r in runs}
         assert {"rm", "register-reward"} <= names, names  # the run from before the outage and the retry's run
+
+
+def test_experiment_opens_as_a_model_training_experiment(mlflow_uri, tmp_path):
+    """The MLflow 3 UI picks its view from ``mlflow.experimentKind``: ours is set to model development once,
+    and a kind the user changed in the UI is left alone."""
+    from mlflow import MlflowClient
+
+    from rlhf_core import tracking
+    from tests.conftest import make_params
+
+    params = make_params("tracking.experiment=kind-test")  # the server: MLFLOW_TRACKING_URI (fixture)
+    exp_id = tracking.setup(params, tmp_path)
+    client = MlflowClient()
+    assert client.get_experiment(exp_id).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    client.set_experiment_tag(exp_id, tracking.EXPERIMENT_KIND_TAG, "finetuning")
+    assert tracking.setup(params, tmp_path) == exp_id
+    assert client.get_experiment(exp_id).tags[tracking.EXPERIMENT_KIND_TAG] == "finetuning"
