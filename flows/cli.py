@@ -189,6 +189,24 @@ def deploy_cmd(
     raise typer.Exit(proc.returncode)
 
 
+@app.command("automations")
+def automations_cmd(
+    block: str = typer.Option(..., "--block", help="Notification block `<type-slug>/<name>`, e.g. "
+                                                   "slack-webhook/rlhf-alerts (create it in the Prefect UI)."),
+) -> None:
+    """Create the Prefect automations that notify on a failed gate and on a promotion (replaces same-named ones).
+
+    Example: PREFECT_API_URL=http://127.0.0.1:4200/api rlhf automations --block slack-webhook/rlhf-alerts
+    """
+    from flows.automations import create_automations
+
+    try:
+        ids = create_automations(block)
+    except ValueError as err:
+        fail(str(err))
+    console.print(f"created {len(ids)} automations: rlhf-gate-failed, rlhf-model-promoted (notify via {block})")
+
+
 k8s_app = typer.Typer(help="Kubernetes: render stage Jobs, regenerate the generated manifests.", no_args_is_help=True)
 app.add_typer(k8s_app, name="k8s")
 

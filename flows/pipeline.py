@@ -3,7 +3,8 @@
 MLflow: one parent run per flow run; every stage logs a child run under it
 (``RLHF_PARENT_RUN_ID``).  A gate failure is a decided outcome: the flow run
 completes, the summary says ``promoted: false`` with the failing gates, and
-the champion stays where it was.
+the champion stays where it was; the Prefect event ``rlhf.gate.failed`` (``tasks.events``) is what an
+automation alerts on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prefect.tasks import exponential_backoff
 from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
 from rlhf_core.stages import STAGE_NAMES, STAGE_TIMEOUT_S
+from tasks.events import emit_gate_event, emit_promoted_event
 from tasks.gates import evaluation_gate
 from tasks.k8s.names import FLOW_RUN_LABEL
 from tasks.k8s.options import StageJobSettings, flow_stage_options, job_namespaces
@@ -171,10 +173,12 @@ def rlhf_pipeline(
             gate = evaluation_gate(report, params.gates.model_dump())
             summary["gate"] = gate
             record_gate(actor["name"], actor["version"], gate)
+            emit_gate_event(actor["name"], actor["version"], gate, report)
             mlflow.log_dict(gate, "gate.json")
             current = alias_version(actor["name"], CHAMPION)
             if promote and gate["passed"] and current != actor["version"]:
                 promote_task(actor["name"], actor["version"], reason="passed evaluation gate")
+                emit_promoted_event(actor["name"], actor["version"], current, "passed evaluation gate")
                 summary["promoted"] = True
             elif gate["passed"] and current == actor["version"]:
                 logger.info("%s v%s is already the champion", actor["name"], actor["version"])

@@ -88,6 +88,12 @@ def decide(report: dict, gates: GatesConfig) -> GateResult:
     return GateResult(passed=all(c.passed for c in checks), checks=checks)
 
 
+def failing_reasons(gate: dict) -> list[str]:
+    """``["judge_gain_vs_reference=-0.2 (needs >= 0.01; reward hacking suspected ...)", ...]`` of a gate dict."""
+    return [f"{c['name']}={c['value']} (needs {c['op']} {c['threshold']}{'; ' + c['note'] if c.get('note') else ''})"
+            for c in gate["checks"] if not c["passed"]]
+
+
 def _fmt(x) -> str:
     return "—" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from rlhf_core.meta import dir_sha256, read_meta
+from tasks.gates import failing_reasons
 
 CHALLENGER, CHAMPION = "challenger", "champion"
 HASH_TAG = "rlhf.content_hash"
@@ -162,8 +163,7 @@ def record_gate(name: str, version: str, gate: dict) -> None:
     """Tag a version with the gate outcome and, when it failed, the failing gates and their values."""
     client = _client()
     client.set_model_version_tag(name, version, "rlhf.gate", "passed" if gate["passed"] else "failed")
-    failing = [f"{c['name']}={c['value']} (needs {c['op']} {c['threshold']}{'; ' + c['note'] if c.get('note') else ''})"
-               for c in gate["checks"] if not c["passed"]]
+    failing = failing_reasons(gate)
     if failing:
         client.set_model_version_tag(name, version, "rlhf.gate.failing", "; ".join(failing))
 
