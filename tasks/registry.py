@@ -17,7 +17,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from rlhf_core.meta import dir_sha256, read_meta
+from rlhf_core.model_card import CARD_FILE
 from tasks.gates import failing_reasons
+
+DESCRIPTION_LIMIT = 5000  # MLflow's SQL store: model_versions.description is String(5000)
 
 CHALLENGER, CHAMPION = "challenger", "champion"
 HASH_TAG = "rlhf.content_hash"
@@ -80,8 +83,15 @@ def _log_model(kind: str, model_dir: Path, name: str):
 
         components = {"model": AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True),
                       "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
+        card = model_dir / CARD_FILE
+        model_card = None
+        if card.is_file():  # MLflow stores it as model_card.md / model_card_data.yaml beside the weights
+            from huggingface_hub import ModelCard
+
+            model_card = ModelCard(card.read_text())
         return mlflow.transformers.log_model(transformers_model=components, task="text-generation", name=kind,
-                                             registered_model_name=name, pip_requirements=pip_requirements())
+                                             registered_model_name=name, pip_requirements=pip_requirements(),
+                                             model_card=model_card)
     import rlhf_core
     from rlhf_core.serving import ScorerModel
 
@@ -113,8 +123,19 @@ def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[s
     client = _client()
     for key, value in {**tags, HASH_TAG: content_hash, "rlhf.kind": kind}.items():
         client.set_model_version_tag(name, version, key, str(value))
+    card = model_dir / CARD_FILE
+    if card.is_file():  # the model card is the version's description in the registry UI
+        client.update_model_version(name, version, description=card_description(card.read_text()))
     client.set_registered_model_alias(name, CHALLENGER, version)
     return Registered(name, version, new=True)
+
+
+def card_description(card: str, limit: int = DESCRIPTION_LIMIT) -> str:
+    """The card without its YAML front matter, cut to the registry's description limit (with a note)."""
+    if card.startswith("---\n") and "\n---\n" in card[4:]:
+        card = card[4:].split("\n---\n", 1)[1].lstrip()
+    note = "\n\n(cut: the whole card is README.md in the model's artifacts)"
+    return card if len(card) <= limit else card[: limit - len(note)] + note
 
 
 def model_lineage(model_dir: Path, base_tags: dict[str, str]) -> dict[str, str]:

@@ -70,6 +70,13 @@ def test_register_dedupe_promote_rollback_and_load(mlflow_uri, tmp_path):
     again = register_model_dir("actor", a1, name, tags)
     assert (again.version, again.new) == ("1", False), "identical model registered twice"
     a2 = tiny_actor(tmp_path / "a2", seed=2)
+    from rlhf_core.meta import read_meta
+    from rlhf_core.model_card import render_model_card
+    from tests.conftest import make_params
+
+    card = render_model_card({**read_meta(a2), "role": "actor"}, make_params(),
+                             {"sft_accuracy": 0.5, "accuracy": 0.75, "kl_to_reference": 0.3})
+    (a2 / "README.md").write_text(card)
     second = register_model_dir("actor", a2, name, model_lineage(a2, tags))
     assert (second.version, second.new) == ("2", True)
     assert alias_version(name, CHALLENGER) == "2"
@@ -80,6 +87,11 @@ def test_register_dedupe_promote_rollback_and_load(mlflow_uri, tmp_path):
     assert v2.tags["rlhf.input.sft"] == "sft-digest" and v2.tags["rlhf.params_hash"] == "hash123"
     run = client.get_run(v2.run_id)  # walk back from the version to the run that logged it
     assert run.info.run_id == v2.run_id
+    # the model card: the version's description (front matter dropped) and beside the logged weights
+    assert v2.description.startswith("# rlhf-demo actor") and "| accuracy | 0.5 | 0.75 |" in v2.description
+    download_uri = client.get_model_version_download_uri(name, "2")
+    logged_card = mlflow.artifacts.download_artifacts(artifact_uri=f"{download_uri}/model_card.md")
+    assert "| accuracy | 0.5 | 0.75 |" in Path(logged_card).read_text()
 
     assert promote(name, "1", "first") is None
     assert promote(name, "2", "better") == "1"

@@ -128,6 +128,11 @@ def test_ppo_stage_writes_models_metrics_and_plots(ws):
     assert meta["stage"] == "rlhf" and meta["inputs"] == {"sft": dir_sha256(ws / "models/sft"),
                                                           "rm": dir_sha256(ws / "models/rm")}
     AutoModelForCausalLM.from_pretrained(str(actor), use_safetensors=True)
+    card = (actor / "README.md").read_text()  # the model card, with the held-out figures of this run
+    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-generation")
+    assert f"| accuracy | {metrics['sft_accuracy']:.4g} | {metrics['accuracy']:.4g} |" in card
+    assert "`rlhf.algorithm` | `ppo`" in card
+    assert "pipeline_tag: text-classification" in (critic / "README.md").read_text()
     for name in ("rlhf_reward", "rlhf_kl", "rlhf_response_length"):
         lines = (ws / f"plots/{name}.csv").read_text().splitlines()
         assert lines[0] == "step,value" and len(lines) == 3

@@ -50,7 +50,10 @@ def test_rm_reaches_high_heldout_accuracy_and_scores_texts(ws):
     assert m["margin_mean"] > 0 and m["chosen_mean"] > m["rejected_mean"]
     out = ws / "models" / "rm"
     assert {"model.safetensors", "value_head.safetensors", "value_head.json", "tokenizer.json",
-            "rlhf_meta.json"} <= {p.name for p in out.iterdir()}
+            "rlhf_meta.json", "README.md"} <= {p.name for p in out.iterdir()}
+    card = (out / "README.md").read_text()
+    assert "pipeline_tag: text-classification" in card and "defined only up to a per-prompt constant" in card
+    assert f"| accuracy | {m['accuracy_before']:.4g} | {m['accuracy']:.4g} |" in card
     meta = json.loads((out / "rlhf_meta.json").read_text())
     assert meta["stage"] == "rm" and meta["init_from"] == "models/sft"
     assert {"data/prepared/pairs.parquet", "init_model"} <= set(meta["inputs"])

@@ -19,6 +19,7 @@ from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.engine.sampler import StepPlan
 from rlhf_core.meta import build_meta, dir_sha256, file_sha256, write_meta
+from rlhf_core.model_card import CARD_FILE, render_model_card
 
 # Keys of a stage section that do not change what is trained (excluded from the resume fingerprint).
 _NON_TRAINING_KEYS = ("save_every", "log_every", "resume", "keep_checkpoints")
@@ -94,15 +95,19 @@ def write_curve(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
     write_text_atomic(path, buf.getvalue())
 
 
-def save_final(engine: TrainEngine, target: Path, save_fn: Callable, tokenizer, meta: dict) -> None:
-    """All ranks: gather the model; rank 0 writes model + tokenizer + ``rlhf_meta.json`` into a temp dir
-    next to ``target`` and renames it into place (a crash never leaves a half-written model)."""
+def save_final(engine: TrainEngine, target: Path, save_fn: Callable, tokenizer, meta: dict,
+               card: str | None = None) -> None:
+    """All ranks: gather the model; rank 0 writes model + tokenizer + ``rlhf_meta.json`` (+ the model card
+    ``README.md``) into a temp dir next to ``target`` and renames it into place (a crash never leaves a
+    half-written model)."""
     tmp = D.broadcast_object(str(make_temp_dir(target)) if D.is_main() else None)
     try:
         engine.save_model(tmp, save_fn)
         if D.is_main():
             tokenizer.save_pretrained(tmp)
             write_meta(tmp, meta)
+            if card is not None:
+                write_text_atomic(Path(tmp) / CARD_FILE, card)
             commit_dir(tmp, target)
     finally:
         if D.is_main() and Path(tmp).exists():
@@ -180,12 +185,13 @@ def run_metrics(state: TrainState, resumed_from: int, engine: TrainEngine, param
 
 def finish_stage(root: Path, stage: str, engine: TrainEngine, model_dir: Path, save_fn: Callable, tokenizer,
                  meta: dict, metrics: dict, curve: tuple[str, tuple[str, ...]], state: TrainState, t_start: float,
-                 log: LogFn | None) -> dict:
-    """Save the final model atomically, then write ``metrics/<stage>.json`` and the curve CSV, and log the
-    numeric metrics; ``metrics`` gains ``wall_time_s``."""
+                 log: LogFn | None, params: Params) -> dict:
+    """Save the final model atomically with its model card, then write ``metrics/<stage>.json`` and the curve
+    CSV, and log the numeric metrics; ``metrics`` gains ``wall_time_s``."""
     import time
 
-    save_final(engine, model_dir, save_fn, tokenizer, meta)
+    save_final(engine, model_dir, save_fn, tokenizer, meta,
+               card=render_model_card(meta, params, metrics))
     metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)
     write_outputs(root, stage, metrics, curve[0], state.curve, curve[1])
     if log is not None and D.is_main():

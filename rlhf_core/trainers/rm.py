@@ -181,4 +181,5 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
                       trained_on=str(train_file))
     return finish_stage(root, role.stage, engine, root / role.model_dir,
                         lambda m, d: save_value_model(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta,
-                        metrics, (f"{role.stage}_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log)
+                        metrics, (f"{role.stage}_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log,
+                        params)

@@ -152,4 +152,4 @@ def train_sft(params: Params, root: str | Path = ".", log: LogFn | None = None, 
                       merged=compute.lora.merge_on_save if compute.lora.enabled else None)
     return finish_stage(root, STAGE, engine, root / paths.SFT_MODEL,
                         lambda m, d: save_causal_lm(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta,
-                        metrics, ("sft_loss.csv", ("step", "loss")), state, t_start, log)
+                        metrics, ("sft_loss.csv", ("step", "loss")), state, t_start, log, params)

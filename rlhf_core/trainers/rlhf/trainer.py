@@ -372,7 +372,6 @@ class RLHFTrainer:
         ema_eval = None
         if self.do_eval and ema_model is not None and self.world == 1:
             ema_eval = self.heldout_eval(ema_model, with_kl=True)
-        self._save_models(ema_model)
         before = self.state.extra.get("before", {})
         metrics = {"algorithm": self.cfg.algorithm, "resumed_from_step": self.resumed_from,
                    **heldout_summary(before, final, ema_eval, self.params.gates.max_kl, self.prompts.has_answers),
@@ -380,6 +379,7 @@ class RLHFTrainer:
                    "zero_stage": self.params.compute.zero_stage, "precision": self.actor.precision,
                    "n_prompts": len(self.prompts.texts), "n_eval_prompts": len(self.prompts.heldout.prompts),
                    "wall_time_s": round(time.perf_counter() - self.t_start, 2)}
+        self._save_models(ema_model, metrics)
         if D.is_main():
             write_json_atomic(self.root / paths.METRICS / f"{STAGE}.json", metrics)
             for key, name in PLOT_FILES.items():
@@ -390,9 +390,11 @@ class RLHFTrainer:
         D.barrier()
         return metrics
 
-    def _save_models(self, ema_model) -> None:
-        """``models/actor``, ``models/critic`` (meta only without a critic), ``models/actor_ema``; atomic."""
+    def _save_models(self, ema_model, metrics: dict) -> None:
+        """``models/actor``, ``models/critic`` (meta only without a critic), ``models/actor_ema``; atomic, each
+        with its model card (the held-out ``metrics`` in the actor's)."""
         from rlhf_core.meta import dir_sha256, write_meta_only
+        from rlhf_core.model_card import render_model_card
         from rlhf_core.models.loading import save_causal_lm, save_value_model
         from rlhf_core.trainers.common import save_final, stage_meta
 
@@ -403,28 +405,34 @@ class RLHFTrainer:
                           data=self.hashes, sft_model=str(paths.SFT_MODEL),
                           rm_model=str(paths.RM_MODEL) if self.inputs.uses_rm else None,
                           lora=self.params.compute.lora.enabled)
+
+        def card(role: str, with_metrics: bool = True) -> str:
+            return render_model_card({**meta, "role": role}, self.params, metrics if with_metrics else None)
+
         save_final(self.actor, root / paths.ACTOR_MODEL, lambda m, d: save_causal_lm(m, d, merge_lora=merge),
-                   self.tokenizer, {**meta, "role": "actor"})
+                   self.tokenizer, {**meta, "role": "actor"}, card=card("actor"))
         if self.critic is not None:
             save_final(self.critic, root / paths.CRITIC_MODEL, lambda m, d: save_value_model(m, d, merge_lora=merge),
-                       self.tokenizer, {**meta, "role": "critic"})
+                       self.tokenizer, {**meta, "role": "critic"}, card=card("critic", with_metrics=False))
         elif D.is_main():
             write_meta_only(root / paths.CRITIC_MODEL, {**meta, "role": "critic", "critic": None,
                                                         "reason": f"{cfg.algorithm} trains no critic"})
         if ema_model is not None and D.is_main():
             self._save_plain(ema_model, root / ACTOR_EMA_MODEL, {**meta, "role": "actor_ema",
-                                                                 "ema_decay": cfg.ema_decay})
+                                                                 "ema_decay": cfg.ema_decay}, card("actor_ema", False))
         D.barrier()
 
-    def _save_plain(self, model, target: Path, meta: dict) -> None:
-        from rlhf_core.atomic import atomic_dir
+    def _save_plain(self, model, target: Path, meta: dict, card: str) -> None:
+        from rlhf_core.atomic import atomic_dir, write_text_atomic
         from rlhf_core.meta import write_meta
+        from rlhf_core.model_card import CARD_FILE
         from rlhf_core.models.loading import save_causal_lm
 
         with atomic_dir(target) as tmp:
             save_causal_lm(model, tmp, merge_lora=self.params.compute.lora.merge_on_save)
             self.tokenizer.save_pretrained(tmp)
             write_meta(tmp, meta)
+            write_text_atomic(Path(tmp) / CARD_FILE, card)
 
 
 def train_rlhf(params: Params, root: str | Path = ".", log: LogFn | None = None,

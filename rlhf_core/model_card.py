@@ -1,0 +1,121 @@
+"""``README.md`` model cards, Hugging Face style, for every model a stage saves (and the registry version).
+
+Front matter as the Hub reads it (``library_name``, ``pipeline_tag``, ``base_model`` when it is a Hub id,
+``tags``), then: what the model is, how it was trained (stage and the keys that shape it), on what (input
+hashes, as in ``rlhf_meta.json``), how it scored on held-out data (each ``<metric>_before`` / ``<metric>_after``
+pair of the stage's metrics (or ``<metric>_before`` / ``<metric>``), and the RL stage's accuracy / proxy / KL),
+lineage, and its limits.
+Pure: ``render_model_card(meta, params, metrics) -> str``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from rlhf_core.config import Params
+
+CARD_FILE = "README.md"
+
+ROLES: dict[str, tuple[str, str]] = {  # role -> (pipeline_tag, one-line description)
+    "sft": ("text-generation", "Causal LM after supervised fine-tuning on prompt/response pairs."),
+    "proxy": ("text-classification", "Reward model: a scalar score per (prompt, response), trained on pairwise "
+                                     "preferences (Bradley-Terry); the value head reads the last non-pad token."),
+    "judge": ("text-classification", "Judge reward model, trained on the held-out pairs the proxy RM never saw; "
+                                     "used to evaluate, never to train."),
+    "actor": ("text-generation", "Policy (actor) after RLHF against the configured reward."),
+    "actor_ema": ("text-generation", "Exponential moving average of the RLHF actor's weights."),
+    "critic": ("text-classification", "Critic (value model) trained beside the actor by PPO."),
+}
+KEY_PARAMS: dict[str, tuple[str, ...]] = {
+    "sft": ("epochs", "lr", "lr_scheduler", "warmup_steps", "micro_batch_size", "grad_accum", "max_length",
+            "packing"),
+    "rm": ("loss", "epochs", "lr", "micro_batch_size", "grad_accum", "max_length", "init_from"),
+    "rlhf": ("algorithm", "reward_fns", "num_steps", "prompts_per_step", "lr", "kl_coef", "kl_estimator",
+             "ptx_coef", "reward_clip", "max_new_tokens", "temperature"),
+}
+LIMITS = {
+    "common": "Trained and evaluated by rlhf-ops on the data named above; figures are on its held-out split only.",
+    "demo": "Demo profile: a tiny randomly initialised Llama on a synthetic arithmetic task. It shows the "
+            "pipeline works; it is not a useful model.",
+    "proxy": "A pairwise RM's score is defined only up to a per-prompt constant: compare scores within a prompt. "
+             "A policy optimised against it can exploit its errors (reward hacking): judge such a policy with a "
+             "measure this model does not control.",
+    "actor": "Optimised against a proxy reward: its proxy score says less than the judge / accuracy rows below.",
+}
+
+
+def _role(meta: dict) -> str:
+    return meta.get("role") or ("proxy" if meta.get("stage") == "rm" else meta.get("stage", "sft"))
+
+
+def _front_matter(meta: dict, params: Params, role: str) -> dict[str, Any]:
+    fm: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": ROLES.get(role, ROLES["sft"])[0],
+                          "tags": ["rlhf-ops", meta.get("stage", "")] + ([meta["algorithm"]] if meta.get("algorithm")
+                                                                          else [])}
+    base = params.model.name_or_path
+    if base and not base.startswith((".", "/")) and base.count("/") == 1:  # a Hub id, not a local path
+        fm["base_model"] = base
+    return fm
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (dict, list)):
+        return f"`{json.dumps(value)}`"
+    return f"`{value}`" if value not in (None, "") else "—"
+
+
+def _evaluation_rows(metrics: dict) -> list[str]:
+    rows = []
+    for key in (k for k in metrics if k.endswith("_before")):
+        name = key[: -len("_before")]
+        after = next((a for a in (f"{name}_after", name) if a in metrics), None)  # RM: accuracy_before/accuracy
+        if after is not None:
+            rows.append(f"| {name} | {_fmt(metrics[key])} | {_fmt(metrics[after])} |")
+    if "sft_accuracy" in metrics and "accuracy" in metrics:  # the RL stage names its pairs differently
+        rows.append(f"| accuracy | {_fmt(metrics['sft_accuracy'])} | {_fmt(metrics['accuracy'])} |")
+    if "sft_proxy_reward" in metrics and "proxy_reward" in metrics:
+        rows.append(f"| proxy reward | {_fmt(metrics['sft_proxy_reward'])} | {_fmt(metrics['proxy_reward'])} |")
+    if metrics.get("kl_to_reference") is not None:
+        rows.append(f"| KL to the reference (nats/response) | 0 | {_fmt(metrics['kl_to_reference'])} |")
+    return rows
+
+
+def render_model_card(meta: dict, params: Params, metrics: dict | None = None) -> str:
+    """The card's Markdown (front matter included) for the model ``meta`` (its ``rlhf_meta.json``) describes."""
+    metrics = metrics or {}
+    stage, role = meta.get("stage", "sft"), _role(meta)
+    section = getattr(params, stage, None)
+    title = f"{params.project.name} {role}"
+    lines = ["---", yaml.safe_dump(_front_matter(meta, params, role), sort_keys=False).strip(), "---", "",
+             f"# {title}", "", ROLES.get(role, ("", ""))[1], ""]
+    base = params.model.name_or_path or "the tiny demo Llama built offline (`models/base`)"
+    lines += ["## Training", "", f"Stage `{stage}` of the rlhf-ops pipeline, from {base}.", "",
+              "| key | value |", "|---|---|"]
+    for key in KEY_PARAMS.get(stage, ()):
+        if section is not None and hasattr(section, key):
+            lines.append(f"| `{stage}.{key}` | {_fmt(getattr(section, key))} |")
+    lines += [f"| `compute.lora.enabled` | {_fmt(params.compute.lora.enabled)} |",
+              f"| params hash | {_fmt(meta.get('params_hash'))} |", ""]
+    lines += ["## Data", "", "Inputs and their content hashes (`rlhf_meta.json`):", "", "| input | sha256 |",
+              "|---|---|"]
+    lines += [f"| `{k}` | `{v}` |" for k, v in sorted((meta.get("inputs") or {}).items())]
+    for k, v in sorted((meta.get("data") or {}).items()):
+        lines.append(f"| `{k}` | `{v}` |")
+    lines.append("")
+    evaluation = _evaluation_rows(metrics)
+    if evaluation:
+        lines += ["## Evaluation", "", f"Held-out split, decoding `{json.dumps(params.eval.model_dump())}`.", "",
+                  "| metric | before | after |", "|---|---|---|", *evaluation, ""]
+    lines += ["## Lineage", "", f"- git sha: `{meta.get('git_sha', 'unknown')}`",
+              f"- created: {meta.get('created_at', '—')}",
+              "- versions: " + ", ".join(f"{k} {v}" for k, v in sorted((meta.get("versions") or {}).items())),
+              *([f"- image: `{meta['image']}`"] if meta.get("image") else []), ""]
+    limits = [LIMITS["common"]] + ([LIMITS["demo"]] if params.model.name_or_path is None else [])
+    limits += [LIMITS[k] for k in ("proxy", "actor") if k == role]
+    lines += ["## Limitations", "", *[f"- {text}" for text in limits], ""]
+    return "\n".join(lines)
