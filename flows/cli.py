@@ -78,6 +78,8 @@ def run_cmd(
         check_reachable(tracking_uri(params))  # before anything else: no training without tracking
     except TrackingUnavailable as err:
         fail(str(err), code=3)
+    except ConfigError as err:  # TrackingRefused: the server refused our credentials
+        fail(str(err))
     from flows.workspace_lock import WorkspaceBusy, workspace_lock
 
     try:

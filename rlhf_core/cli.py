@@ -88,6 +88,8 @@ def stage_cmd(
             result = fn(params, Path("."), log)
     except tracking.TrackingUnavailable as err:
         fail(str(err), code=exit_codes.TRACKING_UNAVAILABLE)
+    except tracking.TrackingRefused as err:
+        fail(str(err), code=exit_codes.BAD_CONFIG)
     except stop.StopRequested as err:
         fail(f"stage {name}: {err}", code=exit_codes.STOPPED)
     except (DataError, ConfigError, ValueError) as err:  # a retry would fail the same way

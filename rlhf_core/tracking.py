@@ -21,7 +21,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from rlhf_core import paths
-from rlhf_core.config import Params
+from rlhf_core.config import ConfigError, Params
 from rlhf_core.meta import code_lineage
 
 ENV_PARENT = "RLHF_PARENT_RUN_ID"
@@ -48,6 +48,10 @@ STAGE_SECTIONS = {
 
 class TrackingUnavailable(RuntimeError):
     """MLflow cannot be reached; raised before any training starts."""
+
+
+class TrackingRefused(ConfigError):
+    """MLflow answered but refused the credentials (or their absence): a retry cannot help, the config must change."""
 
 
 def tracking_enabled() -> bool:
@@ -88,6 +92,36 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
         raise TrackingUnavailable(
             f"MLflow tracking server {uri} is unreachable ({getattr(err, 'reason', err)}); start it, fix "
             f"MLFLOW_TRACKING_URI, or unset it to use the embedded SQLite store") from None
+    check_credentials(uri)
+
+
+def check_credentials(uri: str, timeout_s: float = 60.0) -> None:
+    """One authenticated read (``experiments/search``) with the client's credentials (``MLFLOW_TRACKING_USERNAME``
+    / ``_PASSWORD``, or ``MLFLOW_TRACKING_TOKEN``): a 401/403 is :class:`TrackingRefused` before any training,
+    naming the user but never the password. (The server has answered /health already; a password hash check
+    on a busy server can take seconds, hence the longer timeout.)"""
+    import base64
+
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    req = urllib.request.Request(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1")
+    if user and password:
+        req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+    elif token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        urllib.request.urlopen(req, timeout=timeout_s).close()  # noqa: S310 (http(s) only, checked by the caller)
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            who = (f"user {user!r} (MLFLOW_TRACKING_USERNAME) was not accepted" if user and password else
+                   "a token (MLFLOW_TRACKING_TOKEN) was not accepted" if token else
+                   "it needs credentials: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
+            raise TrackingRefused(f"MLflow at {uri} refused the request ({err.code}): {who}") from None
+        if err.code >= 500:
+            raise TrackingUnavailable(f"MLflow at {uri} answered {err.code}") from None
+    except (urllib.error.URLError, OSError) as err:
+        raise TrackingUnavailable(f"MLflow tracking server {uri} is unreachable ({getattr(err, 'reason', err)})"
+                                  ) from None
 
 
 def _answers(uri: str) -> bool:

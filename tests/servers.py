@@ -53,14 +53,27 @@ def background(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | N
 
 
 @contextmanager
-def mlflow_server(tmp: Path):
-    """A real ``mlflow server``: SQLite backend, artifacts in ``tmp``; yields its URI."""
+def mlflow_server(tmp: Path, auth: dict[str, str] | None = None):
+    """A real ``mlflow server``: SQLite backend, artifacts in ``tmp``; yields its URI.
+
+    ``auth`` (``{"username", "password"}``) runs MLflow's basic-auth app with that admin and the shipped
+    ``k8s/base/mlflow-auth.ini`` (its auth database moved into ``tmp``).
+    """
     port = free_port()
+    env = None
+    extra: list[str] = []
+    if auth:
+        ini = (REPO / "k8s/base/mlflow-auth.ini").read_text().replace("sqlite:////mlflow/basic_auth.db",
+                                                                       f"sqlite:///{tmp / 'basic_auth.db'}")
+        (tmp / "basic_auth.ini").write_text(ini)
+        env = {"MLFLOW_AUTH_CONFIG_PATH": str(tmp / "basic_auth.ini"), "MLFLOW_AUTH_ADMIN_USERNAME": auth["username"],
+               "MLFLOW_AUTH_ADMIN_PASSWORD": auth["password"], "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-secret-key"}
+        extra = ["--app-name", "basic-auth"]
     log = tmp / "mlflow-server.log"
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
            "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts"),
-           "--workers", "1"]
-    with background(cmd, log) as proc:
+           "--workers", "1", *extra]
+    with background(cmd, log, env=env) as proc:
         uri = f"http://127.0.0.1:{port}"
         wait_http(f"{uri}/health", 90, proc, log)
         yield uri

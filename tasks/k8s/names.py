@@ -25,6 +25,7 @@ COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}  # set by NVIDIA GPU feature discovery / the GPU operator
 GPU_TOLERATIONS = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+FLOW_RUN_POD_LABELS = {"app.kubernetes.io/component": "flow-run"}  # Prefect flow-run pods (work-pool template)
 FLOW_RUN_LABEL = "rlhf-ops/flow-run"  # the Prefect flow run that created a Job: its cancellation deletes them
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 

@@ -7,6 +7,7 @@ import copy
 
 from tasks.k8s.names import (
     DEFAULT_CPU_IMAGE,
+    FLOW_RUN_POD_LABELS,
     FLOW_SERVICE_ACCOUNT,
     GPU_RESOURCE,
     NAMESPACE,
@@ -65,6 +66,8 @@ def build_work_pool_template(default_template: dict | None = None) -> dict:
     props["finished_job_ttl"]["default"] = TTL_AFTER_FINISHED_S
 
     manifest = template["job_configuration"]["job_manifest"]
+    # the label the MLflow NetworkPolicy admits (flow runs register models)
+    manifest["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {}).update(FLOW_RUN_POD_LABELS)
     pod = manifest["spec"]["template"]["spec"]
     container = pod["containers"][0]
     # The image's ENTRYPOINT is `rlhf`; the worker puts `prefect flow-run execute` in args, so run args as-is.
