@@ -28,6 +28,7 @@ from tasks.events import emit_gate_event, emit_promoted_event
 from tasks.gates import evaluation_gate
 from tasks.k8s.names import FLOW_RUN_LABEL
 from tasks.k8s.options import StageJobSettings, flow_stage_options, job_namespaces
+from tasks.links import publish_links
 from tasks.registry import CHAMPION, alias_version, promote_task, record_gate, register_models
 from tasks.stages import run_stage
 
@@ -183,5 +184,6 @@ def rlhf_pipeline(
             elif gate["passed"] and current == actor["version"]:
                 logger.info("%s v%s is already the champion", actor["name"], actor["version"])
             summary["champion"] = alias_version(actor["name"], CHAMPION)
+        publish_links(summary["tracking_uri"], experiment_id, parent.info.run_id, summary["registered"])
     os.environ.pop(tracking.ENV_PARENT, None)
     return summary

@@ -49,3 +49,18 @@ def test_registry_description_drops_front_matter_and_respects_the_limit():
     assert described.startswith("# rlhf-demo actor") and "library_name" not in described
     cut = card_description(card, limit=300)
     assert len(cut) == 300 and cut.endswith("(cut: the whole card is README.md in the model's artifacts)")
+
+
+def test_mlflow_links_for_a_server_and_the_embedded_store():
+    from tasks.links import local_runs_markdown, mlflow_links
+
+    reg = {"actor": {"name": "demo-actor", "version": "3"}}
+    links = mlflow_links("http://mlflow:5000/", "7", "p1", {"sft": "s1"}, reg)
+    assert links == [("mlflow-pipeline-run", "MLflow: the pipeline's parent run",
+                      "http://mlflow:5000/#/experiments/7/runs/p1"),
+                     ("mlflow-run-sft", "MLflow: the sft stage's run", "http://mlflow:5000/#/experiments/7/runs/s1"),
+                     ("mlflow-model-actor", "MLflow registry: demo-actor v3",
+                      "http://mlflow:5000/#/models/demo-actor/versions/3")]
+    assert mlflow_links("sqlite:///x/mlflow.db", "7", "p1", {"sft": "s1"}, reg) == []
+    md = local_runs_markdown("sqlite:///x/mlflow.db", "p1", {"sft": "s1"}, reg)
+    assert "`mlflow ui --backend-store-uri sqlite:///x/mlflow.db`" in md and "| sft run | `s1` |" in md

@@ -128,6 +128,36 @@ def test_runs_metrics_versions_aliases_lineage(pipeline):
     assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
 
 
+def test_flow_run_artifacts_link_to_the_mlflow_runs_and_versions(pipeline):
+    """The Prefect flow run's link artifacts open the MLflow parent run, each stage's run and each version."""
+    from mlflow import MlflowClient
+
+    project, uri = pipeline["project"], pipeline["uri"]
+    script = ("import json; from prefect.client.orchestration import get_client\n"
+              "with get_client(sync_client=True) as c:\n"
+              "    arts = [[a.key, a.data] for a in c.read_artifacts() if (a.key or '').startswith('mlflow-')]\n"
+              "print(json.dumps(arts))")
+    env = {**os.environ, "PREFECT_HOME": str(project / ".rlhf/prefect"),
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # a link artifact's data is the markdown link "[title](url)"
+    links = {key: data.rsplit("(", 1)[1].rstrip(")") for key, data in json.loads(proc.stdout.strip().splitlines()[-1])}
+    client = MlflowClient(uri)
+    parents = client.search_runs([client.get_experiment_by_name("rlhf-demo").experiment_id],
+                                 "tags.`rlhf.stage` = 'pipeline'")
+    parent_ids = {r.info.run_id for r in parents}
+    assert links["mlflow-pipeline-run"].startswith(f"{uri}/#/experiments/")
+    assert links["mlflow-pipeline-run"].rsplit("/", 1)[1] in parent_ids
+    for stage in ("prepare", "sft", "rm", "rlhf", "evaluate"):
+        run_id = links[f"mlflow-run-{stage}"].rsplit("/", 1)[1]
+        run = client.get_run(run_id)
+        assert run.data.tags["rlhf.stage"] == stage and run.data.tags["mlflow.parentRunId"] in parent_ids
+    assert links["mlflow-model-actor"] == f"{uri}/#/models/rlhf-demo-actor/versions/1"
+
+
 def test_rerun_skips_every_stage_and_registers_nothing(pipeline):
     from mlflow import MlflowClient
 
