@@ -28,13 +28,21 @@ from tasks.events import emit_gate_event, emit_promoted_event
 from tasks.gates import evaluation_gate
 from tasks.k8s.names import FLOW_RUN_LABEL
 from tasks.k8s.options import StageJobSettings, flow_stage_options, job_namespaces
-from tasks.links import publish_links
-from tasks.registry import CHAMPION, alias_version, promote_task, record_gate, register_models
+from tasks.links import publish_links, stage_run_ids
+from tasks.registry import (
+    CHAMPION,
+    alias_version,
+    log_model_evaluation,
+    promote_task,
+    record_gate,
+    register_models,
+)
 from tasks.stages import run_stage
 
 EVAL_REPORT = paths.REPORTS / "eval.json"
 # a stage task may run as long as its Job's activeDeadlineSeconds on a cluster; locally 4 h
 MODEL_DIRS = {"actor": paths.ACTOR_MODEL, "critic": paths.CRITIC_MODEL, "reward": paths.RM_MODEL}
+TRAINED_BY = {"actor": "rlhf", "critic": "rlhf", "reward": "rm"}  # the stage whose run logs each model
 
 
 def pipeline_stages(root: Path) -> list[str]:
@@ -162,11 +170,18 @@ def rlhf_pipeline(
 
         # a model directory counts once it holds a config (GRPO leaves models/critic with its meta file only)
         kinds = [k for k in ("reward", "critic", "actor") if (root_path / MODEL_DIRS[k] / "config.json").is_file()]
+        try:
+            stage_runs = stage_run_ids(experiment_id, parent.info.run_id)
+        except Exception as err:  # registration below retries on its own; the models then land in the parent
+            logger.warning("could not list the stage runs: %s", err)
+            stage_runs = {}
         if kinds:
             lineage = tracking.lineage_tags(params, "register", root_path)
             lineage["rlhf.pipeline_run_id"] = parent.info.run_id
+            # each model is logged in the run that trained it (a stage DVC skipped has none here: the parent)
+            runs = {k: stage_runs[TRAINED_BY[k]] for k in kinds if TRAINED_BY[k] in stage_runs}
             summary["registered"] = register_models(kinds, {k: str(root_path / MODEL_DIRS[k]) for k in kinds},
-                                                    prefix, lineage)
+                                                    prefix, lineage, runs)
         actor = summary["registered"].get("actor")
         report_path = root_path / EVAL_REPORT
         if actor and report_path.exists():
@@ -174,6 +189,8 @@ def rlhf_pipeline(
             gate = evaluation_gate(report, params.gates.model_dump())
             summary["gate"] = gate
             record_gate(actor["name"], actor["version"], gate)
+            if actor.get("model_id"):  # a new version: link the evaluation's figures to its logged model
+                log_model_evaluation(actor["model_id"], report["candidate"], stage_runs.get("evaluate"))
             emit_gate_event(actor["name"], actor["version"], gate, report)
             mlflow.log_dict(gate, "gate.json")
             current = alias_version(actor["name"], CHAMPION)

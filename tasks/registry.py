@@ -31,9 +31,10 @@ class Registered:
     name: str
     version: str
     new: bool  # False when an identical model was already registered
+    model_id: str | None = None  # the MLflow 3 logged model behind a new version
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "version": self.version, "new": self.new}
+        return {"name": self.name, "version": self.version, "new": self.new, "model_id": self.model_id}
 
 
 def _client():
@@ -100,8 +101,13 @@ def _log_model(kind: str, model_dir: Path, name: str):
                                    code_paths=[str(Path(rlhf_core.__file__).parent)])
 
 
-def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[str, str]) -> Registered:
-    """Register ``model_dir`` under ``name`` (in the active MLflow run) unless its content is already there."""
+def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[str, str],
+                       run_id: str | None = None) -> Registered:
+    """Register ``model_dir`` under ``name`` unless its content is already there.
+
+    The model is logged in ``run_id`` (the stage run that trained it, so "which run made this version" is the
+    version's run link), else in the active run, else in a run of its own.
+    """
     import mlflow
 
     model_dir = Path(model_dir)
@@ -111,8 +117,10 @@ def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[s
     existing = find_version_by_hash(name, content_hash)
     if existing is not None:
         return Registered(name, existing.version, new=False)
-    own_run = mlflow.active_run() is None
-    if own_run:
+    own_run = run_id is not None or mlflow.active_run() is None
+    if run_id is not None:
+        mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None)
+    elif own_run:
         mlflow.start_run(run_name=f"register-{kind}")
     try:
         info = _log_model(kind, model_dir, name)
@@ -127,7 +135,7 @@ def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[s
     if card.is_file():  # the model card is the version's description in the registry UI
         client.update_model_version(name, version, description=card_description(card.read_text()))
     client.set_registered_model_alias(name, CHALLENGER, version)
-    return Registered(name, version, new=True)
+    return Registered(name, version, new=True, model_id=getattr(info, "model_id", None))
 
 
 def card_description(card: str, limit: int = DESCRIPTION_LIMIT) -> str:
@@ -189,13 +197,26 @@ def record_gate(name: str, version: str, gate: dict) -> None:
         client.set_model_version_tag(name, version, "rlhf.gate.failing", "; ".join(failing))
 
 
+def log_model_evaluation(model_id: str | None, metrics: dict[str, float], run_id: str | None) -> None:
+    """Log held-out ``metrics`` linked to the logged model ``model_id`` (MLflow 3: they show on the model's
+    page), in ``run_id`` (the evaluate stage's run) or the active run."""
+    import mlflow
+
+    numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    if model_id and numbers:
+        mlflow.log_metrics(numbers, model_id=model_id, run_id=run_id)
+
+
 @task(name="register-models", task_run_name="register-{kinds}", retries=2, retry_delay_seconds=[5, 30])
-def register_models(kinds: list[str], dirs: dict[str, str], prefix: str, lineage: dict[str, str]) -> dict:
-    """Register each of ``kinds`` (actor / critic / reward) from ``dirs``; returns name, version, new per kind."""
+def register_models(kinds: list[str], dirs: dict[str, str], prefix: str, lineage: dict[str, str],
+                    runs: dict[str, str] | None = None) -> dict:
+    """Register each of ``kinds`` (actor / critic / reward) from ``dirs``, each logged in its training run
+    ``runs[kind]`` when given; returns name, version, new per kind."""
     logger = get_run_logger()
     out = {}
     for kind in kinds:
-        reg = register_model_dir(kind, dirs[kind], f"{prefix}-{kind}", model_lineage(Path(dirs[kind]), lineage))
+        reg = register_model_dir(kind, dirs[kind], f"{prefix}-{kind}", model_lineage(Path(dirs[kind]), lineage),
+                                 run_id=(runs or {}).get(kind))
         logger.info("%s: %s v%s (%s)", kind, reg.name, reg.version, "new" if reg.new else "already registered")
         out[kind] = reg.as_dict()
     return out

@@ -116,6 +116,16 @@ def test_runs_metrics_versions_aliases_lineage(pipeline):
     assert actor.tags["rlhf.gate"] == "passed" and actor.tags["rlhf.previous_champion"] == "none"
     assert actor.tags["rlhf.input.sft"] and actor.tags["rlhf.dvc.data_prepared"]
     assert actor.tags["rlhf.pipeline_run_id"] == parents[0].info.run_id
+    # "which run made this version" is one click: each model is logged in the stage run that trained it
+    assert actor.run_id == children["rlhf"].info.run_id
+    assert client.get_model_version("rlhf-demo-reward", "1").run_id == children["rm"].info.run_id
+    # the evaluation's figures are linked to the logged model
+    assert actor.source.startswith("models:/m-")  # MLflow 3: the version's source is its logged model
+    logged = mlflow.get_logged_model(actor.source.removeprefix("models:/"))
+    linked = {m.key: m.value for m in logged.metrics}
+    report = json.loads((pipeline["project"] / "reports/eval.json").read_text())
+    assert linked["accuracy"] == report["candidate"]["accuracy"]
+    assert linked["kl_to_reference"] == pytest.approx(report["candidate"]["kl_to_reference"])
 
     components = mlflow.transformers.load_model("models:/rlhf-demo-actor@champion", return_type="components")
     tok, model = components["tokenizer"], components["model"]
