@@ -75,6 +75,24 @@ def pip_requirements() -> list[str]:
     return pins
 
 
+def scorer_signature():
+    """Reward / critic pyfunc: rows of ``prompt`` + ``response`` (tokenised as in training) or of ``text``; one
+    float score per row."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, Schema
+
+    return ModelSignature(inputs=Schema([ColSpec("string", "prompt", required=False),
+                                         ColSpec("string", "response", required=False),
+                                         ColSpec("string", "text", required=False)]),
+                          outputs=Schema([ColSpec("double")]))
+
+
+def scorer_input_example():
+    import pandas as pd
+
+    return pd.DataFrame({"prompt": ["Human: What is 2 + 3?\n\nAssistant:"] * 2, "response": [" 5", " 7"]})
+
+
 def _log_model(kind: str, model_dir: Path, name: str):
     import mlflow
 
@@ -98,7 +116,8 @@ def _log_model(kind: str, model_dir: Path, name: str):
 
     return mlflow.pyfunc.log_model(name=kind, python_model=ScorerModel(), artifacts={"model": str(model_dir)},
                                    registered_model_name=name, pip_requirements=pip_requirements(),
-                                   code_paths=[str(Path(rlhf_core.__file__).parent)])
+                                   code_paths=[str(Path(rlhf_core.__file__).parent)],
+                                   signature=scorer_signature(), input_example=scorer_input_example())
 
 
 def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[str, str],

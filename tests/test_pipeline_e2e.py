@@ -134,7 +134,11 @@ def test_runs_metrics_versions_aliases_lineage(pipeline):
     assert out.shape[1] > ids["input_ids"].shape[1]
 
     reward = mlflow.pyfunc.load_model("models:/rlhf-demo-reward@challenger")
-    scores = reward.predict(["Human: What is 2 + 3?\n\nAssistant: 5", "Human: What is 2 + 3?\n\nAssistant: 7"])
+    import pandas as pd
+
+    assert [c.name for c in reward.metadata.signature.inputs.inputs] == ["prompt", "response", "text"]
+    scores = reward.predict(pd.DataFrame({"prompt": ["Human: What is 2 + 3?\n\nAssistant:"] * 2,
+                                          "response": [" 5", " 7"]}))
     assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
 
 

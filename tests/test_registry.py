@@ -196,3 +196,33 @@ def test_experiment_opens_as_a_model_training_experiment(mlflow_uri, tmp_path):
     client.set_experiment_tag(exp_id, tracking.EXPERIMENT_KIND_TAG, "finetuning")
     assert tracking.setup(params, tmp_path) == exp_id
     assert client.get_experiment(exp_id).tags[tracking.EXPERIMENT_KIND_TAG] == "finetuning"
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_with_the_champion(mlflow_uri, tmp_path):
+    """`mlflow models serve -m models:/<name>@champion` (a real server process, the project's env) answers a
+    real HTTP request with generated text."""
+    import json as _json
+    import urllib.request
+
+    from tasks.registry import promote, register_model_dir
+    from tests.servers import background, free_port, wait_http
+
+    name = "serve-actor"
+    reg = register_model_dir("actor", tiny_actor(tmp_path / "actor", seed=3), name, {})
+    promote(name, reg.version, "serve test")
+    port = free_port()
+    env = {"MLFLOW_TRACKING_URI": mlflow_uri, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{name}@champion", "--env-manager",
+           "local", "--host", "127.0.0.1", "--port", str(port)]
+    with background(cmd, tmp_path / "serve.log", env=env) as proc:
+        wait_http(f"http://127.0.0.1:{port}/ping", 240, proc, tmp_path / "serve.log")
+        body = _json.dumps({"inputs": ["Human: What is 2 + 3?\n\nAssistant:"],
+                            "params": {"max_new_tokens": 3, "do_sample": False}}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = _json.loads(resp.read())
+    assert resp.status == 200
+    (text,) = answer["predictions"]
+    assert isinstance(text, str) and text.strip(), answer
