@@ -16,6 +16,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -211,7 +212,9 @@ def _log_inputs(stage: str, root: Path) -> None:
         if not path.exists():
             continue
         digest = dvc_hash or manifest.get("hashes", {}).get(path.name, "")[:32] or None
-        ds = mlflow.data.from_pandas(pd.read_parquet(path), source=str(path), name=name, digest=digest)
+        with warnings.catch_warnings():  # MLflow registers its local-file source twice and warns that the
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")  # path
+            ds = mlflow.data.from_pandas(pd.read_parquet(path), source=str(path), name=name, digest=digest)
         mlflow.log_input(ds, context="eval" if name.startswith("eval_") else "training")
 
 
@@ -297,6 +300,25 @@ class _Guard:
             return None
 
 
+# INFO lines every stage would print and nobody acts on (system metrics start/stop, first-use DB creation)
+QUIET_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils")
+
+
+def quiet_library_logs() -> None:
+    """Raise MLflow's chattiest loggers to WARNING and, when stderr is not a terminal (Prefect, Kubernetes, CI),
+    turn off Hugging Face progress bars, which arrive there as raw carriage-return lines."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if not sys.stderr.isatty():
+        import huggingface_hub.utils
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+
+
 @contextmanager
 def stage_run(stage: str, params: Params, root: str | Path = ".") -> Iterator[LogFn]:
     """A child MLflow run for ``stage``; yields ``log(metrics, step)``. No-op when tracking is off.
@@ -310,6 +332,7 @@ def stage_run(stage: str, params: Params, root: str | Path = ".") -> Iterator[Lo
         return
     import mlflow
 
+    quiet_library_logs()
     experiment_id = setup(params, root)
     parent = os.environ.get(ENV_PARENT)
     mlflow.start_run(experiment_id=experiment_id, run_name=stage, parent_run_id=parent, nested=bool(parent),

@@ -219,3 +219,20 @@ def test_two_processes_zero2_match_one_process(ws, tmp_path_factory, prepared):
     # per-rank token means averaged vs one token mean over the same 32 examples: equal to ~1e-5 here
     assert float(two[0]["loss"]) == pytest.approx(float(one_curve[0]["loss"]), rel=1e-3)
     assert float(two[1]["loss"]) == pytest.approx(float(one_curve[1]["loss"]), rel=5e-3)
+
+
+@pytest.mark.slow
+def test_stage_logs_are_quiet_in_non_terminal_output(ws):
+    """What a user reads in Prefect / kubectl logs: JSON progress lines, no MLflow system-metrics INFO lines,
+    no dataset-source warnings, no carriage-return progress bars (this output is not a terminal)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLHF_TRACKING": "on",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{ws / 'mlflow.db'}"}
+    args = [a for o in [*TINY, "sft.max_steps=3", "eval.max_prompts=8", "tracking.system_metrics=true"]
+            for a in ("-S", o)]
+    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stage", "sft", *args], cwd=ws,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert '"stage": "sft"' in out  # the progress lines are there
+    for noise in ("system_metrics_monitor", "can be interpreted in multiple ways", "\r", "Writing model shards"):
+        assert noise not in out, noise
