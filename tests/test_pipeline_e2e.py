@@ -33,6 +33,11 @@ TINY = {
 }
 
 
+# Secret-looking credentials in the first run's environment: they must not leak anywhere (test below).
+SECRETS = {"AWS_SECRET_ACCESS_KEY": "sk-aws-3f9a1c7e5b2d4e6f8a0b", "HF_TOKEN": "hf_Zq8XwV2nT5kLpR9sY4uB",
+           "MLFLOW_TRACKING_TOKEN": "mlflow-tok-7c1e9d3b5a2f4e6c", "PREFECT_API_KEY": "pnu_8b2d4f6a1c3e5g7h9j"}
+
+
 def rlhf_run(project: Path, uri: str, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "RLHF_TRACKING": "on",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **(extra_env or {})}
@@ -58,8 +63,7 @@ def pipeline(tmp_path_factory):
     project = project_copy(tmp / "project", TINY)
     with mlflow_server(tmp) as uri:
         marker = tmp / "fault-fired"
-        first = rlhf_run(project, uri,
-                         extra_env={"RLHF_FAULT": f"sft:3:{marker}"})
+        first = rlhf_run(project, uri, extra_env={"RLHF_FAULT": f"sft:3:{marker}", **SECRETS})
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
         yield {"project": project, "uri": uri, "first": first, "marker": marker}
 
@@ -170,6 +174,40 @@ def test_flow_run_artifacts_link_to_the_mlflow_runs_and_versions(pipeline):
         run = client.get_run(run_id)
         assert run.data.tags["rlhf.stage"] == stage and run.data.tags["mlflow.parentRunId"] in parent_ids
     assert links["mlflow-model-actor"] == f"{uri}/#/models/rlhf-demo-actor/versions/1"
+
+
+def test_no_secret_from_the_environment_leaks(pipeline, tmp_path):
+    """Credentials in the flow's environment appear in no MLflow param, tag, metric name or artifact, no Prefect
+    log line, no file the run wrote into the project, and no rendered stage Job."""
+    from mlflow import MlflowClient
+
+    project, uri = pipeline["project"], pipeline["uri"]
+    values = list(SECRETS.values())
+    found: list[str] = []
+
+    def scan(where: str, text: str) -> None:
+        found.extend(f"{where}: {v[:6]}..." for v in values if v in text)
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("rlhf-demo")
+    for run in client.search_runs([exp.experiment_id]):
+        scan(f"run {run.info.run_name} params/tags/metrics",
+             json.dumps([run.data.params, run.data.tags, list(run.data.metrics)]))
+        local = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / run.info.run_id)))
+        for f in local.rglob("*"):
+            if f.is_file():
+                scan(f"artifact {f.relative_to(tmp_path)}", f.read_bytes().decode("utf-8", "replace"))
+    for version in client.search_model_versions("name LIKE 'rlhf-demo-%'"):
+        scan(f"version {version.name} v{version.version}", json.dumps([version.tags, version.description or ""]))
+    for f in project.rglob("*"):  # workspace, models, reports, the embedded Prefect database and its logs
+        if f.is_file() and f.stat().st_size < 200_000_000 and f.relative_to(project).parts[0] != "tests":
+            scan(f"file {f.relative_to(project)}", f.read_bytes().decode("utf-8", "replace"))
+    scan("rlhf run output", pipeline["first"].stdout + pipeline["first"].stderr)
+    from tasks.k8s.options import StageJobOptions
+    from tasks.k8s.render import render_stage_job
+
+    scan("rendered Job", json.dumps(render_stage_job(StageJobOptions("rlhf", env={"RLHF_PARENT_RUN_ID": "x"}))))
+    assert not found, found
 
 
 def test_rerun_skips_every_stage_and_registers_nothing(pipeline):
