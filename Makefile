@@ -7,6 +7,11 @@ DEV_STAMP := $(VENV)/.installed-dev
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the build tools DeepSpeed is compiled with (--no-build-isolation): the same pins as docker/Dockerfile.*
 BOOTSTRAP := pip==26.3 setuptools==84.2.1 wheel==0.48.0
+# the CPU build of torch from PyTorch's CPU index, as docker/Dockerfile.cpu (a plain `torch` from PyPI is the
+# multi-GB CUDA build). Only torch itself comes from there (--no-deps: one lookup, seconds where the index is
+# unreachable); its dependencies come next, from the default index under the constraints. A GPU machine: make install TORCH=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test lint install generated clean
 
@@ -27,7 +32,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(BOOTSTRAP)
-	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q --no-deps --extra-index-url $(TORCH_INDEX) "$(TORCH)"
+	$(BIN)/pip install -q -c constraints.txt "$(TORCH)"
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation deepspeed
 	$(BIN)/pip install -q -c constraints.txt -e .
 	touch $(STAMP)

@@ -244,3 +244,13 @@ def test_makefile_builds_with_the_images_build_tools(flavor):
     bootstrap = re.search(r"^BOOTSTRAP := (.+)$", makefile, re.M).group(1).split()
     assert dict(p.split("==") for p in bootstrap) == image
     assert "$(BIN)/pip install -q $(BOOTSTRAP)" in makefile and "-U pip setuptools wheel" not in makefile
+
+
+def test_makefile_installs_the_cpu_torch_from_the_cpu_index():
+    """Not a bare `torch==X` (PyPI's Linux wheel is the CUDA build): the +cpu build from the index the CPU
+    image uses, overridable for a GPU machine."""
+    makefile = (REPO / "Makefile").read_text()
+    cpu_index = re.search(r"TORCH_INDEX_URL=(\S+)", DOCKERFILES["cpu"].read_text()).group(1)
+    assert re.search(r"^TORCH \?= torch==2\.13\.0\+cpu$", makefile, re.M)
+    assert re.search(rf"^TORCH_INDEX \?= {re.escape(cpu_index)}$", makefile, re.M)
+    assert '--no-deps --extra-index-url $(TORCH_INDEX) "$(TORCH)"' in makefile
