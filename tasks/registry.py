@@ -108,7 +108,9 @@ def _log_model(kind: str, model_dir: Path, name: str):
             from huggingface_hub import ModelCard
 
             model_card = ModelCard(card.read_text())
-        return mlflow.transformers.log_model(transformers_model=components, task="text-generation", name=kind,
+        # a tokenizer with a chat template: MLflow's chat task (OpenAI-style messages in, a chat completion out)
+        task = "llm/v1/chat" if getattr(components["tokenizer"], "chat_template", None) else "text-generation"
+        return mlflow.transformers.log_model(transformers_model=components, task=task, name=kind,
                                              registered_model_name=name, pip_requirements=pip_requirements(),
                                              model_card=model_card)
     import rlhf_core

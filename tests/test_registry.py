@@ -226,3 +226,25 @@ def test_mlflow_models_serve_answers_with_the_champion(mlflow_uri, tmp_path):
     assert resp.status == 200
     (text,) = answer["predictions"]
     assert isinstance(text, str) and text.strip(), answer
+
+
+@pytest.mark.slow
+def test_actor_with_a_chat_template_is_logged_for_chat(mlflow_uri, tmp_path):
+    """A tokenizer with a chat template makes the registered actor an MLflow chat model: messages in, a chat
+    completion out (``llm/v1/chat``); without one it stays plain text generation (the demo)."""
+    import mlflow
+    from transformers import AutoTokenizer
+
+    from tasks.registry import register_model_dir
+
+    path = tiny_actor(tmp_path / "chat", seed=4)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = ("{% for m in messages %}{{ 'Human: ' if m['role'] == 'user' else 'Assistant: ' }}"
+                         "{{ m['content'] }}\n\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+    tok.save_pretrained(path)
+    reg = register_model_dir("actor", path, "chat-actor", {})
+    model = mlflow.pyfunc.load_model(f"models:/chat-actor/{reg.version}")
+    assert model.metadata.flavors["transformers"]["inference_task"] == "llm/v1/chat"
+    out = model.predict({"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 3})
+    (answer,) = out if isinstance(out, list) else [out]
+    assert answer["choices"][0]["message"]["role"] == "assistant"
