@@ -236,3 +236,26 @@ def test_stage_logs_are_quiet_in_non_terminal_output(ws):
     assert '"stage": "sft"' in out  # the progress lines are there
     for noise in ("system_metrics_monitor", "can be interpreted in multiple ways", "\r", "Writing model shards"):
         assert noise not in out, noise
+
+
+def test_a_planted_pickle_in_a_checkpoint_is_refused_not_run(ws, tmp_path):
+    """Checkpoints live on shared storage: the RNG state is read with ``weights_only=True``, so a pickle planted
+    there (here: one that would create a file when unpickled) stops the resume with the file named."""
+    import pickle
+
+    from rlhf_core.engine.checkpoint import UnsafeCheckpointError
+    from rlhf_core.trainers.sft import train_sft
+
+    p = tiny_params("sft.max_steps=2", "eval.max_prompts=8")
+    train_sft(p, ws)
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    rng_file = ws / "checkpoints/sft/step_00000002/rng_rank0.pt"
+    rng_file.write_bytes(pickle.dumps({"torch": Planted()}))
+    with pytest.raises(UnsafeCheckpointError, match=r"rng_rank0.pt: refused to load"):
+        train_sft(tiny_params("sft.max_steps=2", "eval.max_prompts=8"), ws)
+    assert not marker.exists()

@@ -32,15 +32,35 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG's state in types ``torch.load(weights_only=True)`` reads (tensors, tuples, numbers): a file on
+    shared storage is never unpickled as arbitrary objects (numpy's key array travels as a tensor)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                       cached), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds more than tensors and numbers (a planted or foreign pickle): refused, not run."""
+
+
+def load_rng_state(path: Path) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``: a planted pickle is refused, naming the file, never executed."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(f"{path}: refused to load: it holds objects other than tensors and numbers "
+                                    f"({str(err).splitlines()[0]}); delete the checkpoint to start afresh") from None
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -107,7 +127,7 @@ class CheckpointManager:
             raise RuntimeError(f"could not load checkpoint {self.dir / tag}")
         rng_file = self.dir / tag / f"rng_rank{D.rank()}.pt"
         if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(load_rng_state(rng_file))
         return json.loads((self.dir / tag / TRAINER_STATE).read_text())
 
     def _prune(self, keep_tag: str) -> None:
