@@ -132,6 +132,7 @@ def rlhf_pipeline(
     import mlflow
 
     logger = get_run_logger()
+    tracking.quiet_library_logs()  # registration loads and saves models in this process too
     root_path = Path(root).resolve()
     if overrides:
         from flows.params_file import set_params

@@ -300,8 +300,9 @@ class _Guard:
             return None
 
 
-# INFO lines every stage would print and nobody acts on (system metrics start/stop, first-use DB creation)
-QUIET_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils")
+# INFO lines every stage would print and nobody acts on (system metrics start/stop, first-use DB creation,
+# "validating input example")
+QUIET_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils", "mlflow.pyfunc")
 
 
 def quiet_library_logs() -> None:
@@ -315,6 +316,7 @@ def quiet_library_logs() -> None:
         import huggingface_hub.utils
         import transformers.utils.logging
 
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         transformers.utils.logging.disable_progress_bar()
         huggingface_hub.utils.disable_progress_bars()
 
