@@ -36,7 +36,8 @@ print("result", hello(), round(time.perf_counter() - t0, 1))
 
 def test_embedded_environment_gives_the_ephemeral_server_time_and_the_user_wins(tmp_path, monkeypatch):
     for key in ("PREFECT_HOME", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "recorded")  # so monkeypatch restores the key's absence afterwards: delenv of an
+        monkeypatch.delenv(key)              # absent key records nothing, and the values set below would leak
     embedded_environment(tmp_path, "ws")
     assert os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] == str(EPHEMERAL_STARTUP_TIMEOUT_S)
     assert os.environ["PREFECT_HOME"] == str((tmp_path / "ws" / "prefect").resolve())

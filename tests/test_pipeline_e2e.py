@@ -41,7 +41,8 @@ SECRETS = {"AWS_SECRET_ACCESS_KEY": "sk-aws-3f9a1c7e5b2d4e6f8a0b", "HF_TOKEN": "
 def rlhf_run(project: Path, uri: str, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "RLHF_TRACKING": "on",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **(extra_env or {})}
-    env.pop("PREFECT_API_URL", None)
+    for key in ("PREFECT_API_URL", "PREFECT_HOME"):  # the embedded default: the project's .rlhf/prefect
+        env.pop(key, None)
     return subprocess.run([sys.executable, "-m", "flows.cli", "run", *args], cwd=project, env=env,
                           capture_output=True, text=True, timeout=900)
 
@@ -163,6 +164,7 @@ def test_flow_run_artifacts_link_to_the_mlflow_runs_and_versions(pipeline):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # a link artifact's data is the markdown link "[title](url)"
     links = {key: data.rsplit("(", 1)[1].rstrip(")") for key, data in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert "mlflow-pipeline-run" in links, (links, pipeline["first"].stdout[-3000:] + pipeline["first"].stderr[-3000:])
     client = MlflowClient(uri)
     parents = client.search_runs([client.get_experiment_by_name("rlhf-demo").experiment_id],
                                  "tags.`rlhf.stage` = 'pipeline'")

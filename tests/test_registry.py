@@ -203,6 +203,7 @@ def test_mlflow_models_serve_answers_with_the_champion(mlflow_uri, tmp_path):
     """`mlflow models serve -m models:/<name>@champion` (a real server process, the project's env) answers a
     real HTTP request with generated text."""
     import json as _json
+    import urllib.error
     import urllib.request
 
     from tasks.registry import promote, register_model_dir
@@ -217,15 +218,18 @@ def test_mlflow_models_serve_answers_with_the_champion(mlflow_uri, tmp_path):
            "local", "--host", "127.0.0.1", "--port", str(port)]
     with background(cmd, tmp_path / "serve.log", env=env) as proc:
         wait_http(f"http://127.0.0.1:{port}/ping", 240, proc, tmp_path / "serve.log")
-        body = _json.dumps({"inputs": ["Human: What is 2 + 3?\n\nAssistant:"],
-                            "params": {"max_new_tokens": 3, "do_sample": False}}).encode()
+        # the demo tokenizer has a chat template, so the actor is served as a chat model (llm/v1/chat)
+        body = _json.dumps({"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 3}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            answer = _json.loads(resp.read())
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                answer = _json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            raise AssertionError(f"{err.code}: {err.read().decode()[:2000]}") from None
     assert resp.status == 200
-    (text,) = answer["predictions"]
-    assert isinstance(text, str) and text.strip(), answer
+    (choice,) = answer["choices"] if isinstance(answer, dict) else answer[0]["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str), answer
 
 
 @pytest.mark.slow
@@ -248,3 +252,12 @@ def test_actor_with_a_chat_template_is_logged_for_chat(mlflow_uri, tmp_path):
     out = model.predict({"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 3})
     (answer,) = out if isinstance(out, list) else [out]
     assert answer["choices"][0]["message"]["role"] == "assistant"
+
+    plain = tiny_actor(tmp_path / "plain", seed=5)
+    tok = AutoTokenizer.from_pretrained(plain)
+    tok.chat_template = None
+    tok.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    reg = register_model_dir("actor", plain, "plain-actor", {})
+    flavor = mlflow.pyfunc.load_model(f"models:/plain-actor/{reg.version}").metadata.flavors["transformers"]
+    assert flavor["task"] == "text-generation" and "inference_task" not in flavor
