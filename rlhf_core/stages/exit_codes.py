@@ -14,7 +14,8 @@ code   meaning                                                      retried (Pre
        eviction; ``EX_TEMPFAIL``)
 143    SIGTERM, but no step boundary within ``compute.stop_grace_s``  yes: from the previous checkpoint
 <0     killed by a signal (``-9``: OOM killer or node loss; DVC     yes
-       reports ``-N``, a container ``128 + N``)
+       reports ``-N`` where its shell execs the command, ``128 + N``
+       where the shell forks it, as a container does)
 =====  ==========================================================  =========================================
 
 Everything not listed as permanent is retried: a retry that cannot help costs one more attempt, a missed
