@@ -277,6 +277,12 @@ class RLHFConfig(OptimConfig):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same scaling).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
     max_new_tokens: int = Field(8, ge=1, description="Response token limit during rollouts.")
+    rollout_logprobs: Literal["generation", "recompute"] = Field(
+        "generation", description="Where the rollout policy's log-probs (PPO's old log-probs) come from: "
+                                  "`generation` records them while sampling (no second forward pass; equal to the "
+                                  "recomputed ones up to float rounding in fp32; docs/rlhf.md), `recompute` runs "
+                                  "a forward pass over the finished sequences (TRL, OpenRLHF). Prefer `recompute` "
+                                  "in bf16, where KV-cached and full forwards round differently.")
     kl_coef: float = Field(0.02, ge=0.0, description="PPO KL coefficient (initial value for `adaptive`).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="PPO KL estimator (k1, k2, k3).")
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="PPO KL coefficient control.")

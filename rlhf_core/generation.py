@@ -64,6 +64,7 @@ class Rollout(PromptResponseBatch):
 
     texts: list[str]  # decoded responses (without EOS and what follows)
     eos_token_id: int = -1
+    logp: torch.Tensor | None = None  # [B, R] log-probs of the sampled tokens, recorded while sampling
 
     @property
     def ended(self) -> torch.Tensor:
@@ -88,6 +89,42 @@ class GenerationConfig:
     do_sample: bool = True
     synced_gpus: bool = False
     min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: a fixed workload)
+    record_logprobs: bool = False  # Rollout.logp: the sampled tokens' log-probs, taken while sampling
+
+
+class SampledLogprobs:
+    """A logits processor that records ``log softmax(logits_t / T)[token_t]`` of every sampled token while
+    ``generate`` runs: the rollout policy's log-probs without a second forward pass over the sequences.
+
+    ``generate`` calls its processors with the ids so far and the next position's logits; the token drawn from
+    step ``t``'s logits is the last id at step ``t + 1``, so each call gathers the previous step's log-prob and
+    keeps only the current ``[B, V]`` log-softmax (memory: one step, not ``B x R x V``). ``finish(responses)``
+    gathers the last step. Custom processors run before ``generate``'s own warpers (temperature, top-p), so the
+    logits seen here are the model's raw ones, and the result is exactly what ``response_logprobs`` computes
+    from the same weights (up to float rounding between the KV-cached and the full forward; tested).
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.steps: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, responses: torch.Tensor) -> torch.Tensor:
+        """``[B, R]`` log-probs of ``responses`` (the tokens generated after the prompt). A step ``generate``
+        took and then undid (its deferred stop check) was recorded but is not in ``responses``: dropped."""
+        R = responses.shape[1]
+        if len(self.steps) < R and self.last is not None:
+            self.steps.append(self.last.gather(1, responses[:, -1:].to(self.last.device)).squeeze(1))
+        self.last = None
+        if len(self.steps) < R:
+            raise RuntimeError(f"recorded {len(self.steps)} sampling steps for {R} response tokens")
+        return torch.stack(self.steps[:R], dim=1).cpu()
 
 
 @contextlib.contextmanager
@@ -121,22 +158,33 @@ def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenize
     ``do_sample`` is false. Only the settings of ``gen`` shape the distribution (``clean_generation_config``:
     the checkpoint's ``generation_config.json`` is ignored here). Generation runs under
     ``torch.inference_mode()``; the returned tensors are ordinary (cloned) tensors, usable in training passes.
+
+    With ``gen.record_logprobs`` (and no ``min_new_tokens``, whose EOS ban would enter the logits) the rollout
+    also carries ``logp``, the sampled tokens' log-probs under ``logits / temperature`` (:class:`SampledLogprobs`).
     """
     device = next(model.parameters()).device
     kwargs = ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
               if gen.do_sample else {"do_sample": False})
+    recorder = SampledLogprobs(gen.temperature) if gen.record_logprobs and not gen.min_new_tokens else None
+    if recorder is not None:
+        from transformers import LogitsProcessorList
+
+        kwargs["logits_processor"] = LogitsProcessorList([recorder])
     with torch.inference_mode(), clean_generation_config(model, tokenizer):
         out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
                              max_new_tokens=gen.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=gen.synced_gpus,
                              **({"min_new_tokens": gen.min_new_tokens} if gen.min_new_tokens else {}), **kwargs)
-    responses = out[:, prompt_ids.shape[1]:].cpu().clone()
+        responses = out[:, prompt_ids.shape[1]:]
+        logp = recorder.finish(responses) if recorder is not None and responses.shape[1] else None
+    responses = responses.cpu().clone()
     if responses.shape[1] == 0:
         responses = torch.full((prompt_ids.shape[0], 1), tokenizer.eos_token_id, dtype=prompt_ids.dtype)
     mask = response_mask(responses, tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(torch.where(mask.bool(), responses, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
-    return Rollout(prompt_ids.cpu(), prompt_mask.cpu(), responses, mask, texts, tokenizer.eos_token_id)
+    return Rollout(prompt_ids.cpu(), prompt_mask.cpu(), responses, mask, texts, tokenizer.eos_token_id,
+                   logp.clone() if logp is not None else None)
 
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,

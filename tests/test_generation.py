@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhf_core.generation import Rollout, position_ids, response_logprobs, response_mask
@@ -163,3 +164,48 @@ def test_sampled_rollout_log_probs_match_the_sampling_distribution():
     picked = sampled.gather(-1, seqs[:, -R:, None]).squeeze(-1)
     mask = response_mask(seqs[:, -R:], EOS).bool()
     assert torch.allclose(picked[mask], scored[mask], atol=1e-4)
+
+
+def test_rollout_records_the_log_probs_the_trainer_recomputes():
+    """The log-probs recorded while sampling (``record_logprobs``: no second forward pass) are those of the full
+    forward over the finished sequences, with left padding, temperature 0.7, a checkpoint's repetition penalty
+    ignored, and rows that stop at EOS early."""
+    from rlhf_core.generation import GenerationConfig, rollout
+
+    model = _tiny_lm()
+    model.generation_config.repetition_penalty = 1.5
+    prompt = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]] * 8)
+    mask = (prompt != PAD).long()
+    torch.manual_seed(5)
+    roll = rollout(model, prompt, mask, _Tok(), GenerationConfig(10, temperature=0.7, record_logprobs=True))
+    R = roll.responses.shape[1]
+    assert roll.logp is not None and roll.logp.shape == (len(prompt), R)
+    with torch.no_grad():
+        scored = response_logprobs(model, roll.sequences, roll.attention_mask, R, temperature=0.7)
+    m = roll.action_mask.bool()
+    assert (~m).any() and m.sum() > 20  # some rows ended early: their padding is outside the comparison
+    assert torch.allclose(roll.logp[m], scored[m], atol=1e-5), (roll.logp[m] - scored[m]).abs().max()
+    # the same generation without recording samples the same tokens (the recorder changes nothing)
+    torch.manual_seed(5)
+    plain = rollout(model, prompt, mask, _Tok(), GenerationConfig(10, temperature=0.7))
+    assert plain.logp is None and torch.equal(plain.responses, roll.responses)
+    # min_new_tokens bans EOS inside the logits: nothing recorded rather than a wrong distribution
+    banned = rollout(model, prompt, mask, _Tok(), GenerationConfig(4, min_new_tokens=4, record_logprobs=True))
+    assert banned.logp is None
+
+
+def test_sampled_logprobs_drop_a_step_generate_undid():
+    from rlhf_core.generation import SampledLogprobs
+
+    rec = SampledLogprobs(1.0)
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
+    ids = torch.tensor([[0], [0]])
+    rec(ids, logits)
+    ids = torch.cat([ids, torch.tensor([[1], [2]])], dim=1)
+    rec(ids, logits)
+    ids = torch.cat([ids, torch.tensor([[0], [0]])], dim=1)
+    rec(ids, logits)  # a third step, whose token generate then removed
+    out = rec.finish(ids[:, 1:])
+    assert torch.allclose(out, torch.log(torch.tensor([[0.25, 0.5], [0.8, 0.1]])))
+    with pytest.raises(RuntimeError, match="recorded 0 sampling steps for 2"):
+        SampledLogprobs(1.0).finish(ids[:, 1:])

@@ -282,6 +282,33 @@ def test_dropout_is_off_so_the_first_ratio_is_one(ws):
     assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
+@pytest.mark.parametrize("source", ["generation", "recompute"])
+def test_rollout_log_probs_recorded_while_sampling_equal_the_recomputed_ones(ws, monkeypatch, source):
+    """Several optimizer steps per buffer need the rollout policy's log-probs before training. Recorded while
+    sampling (the default) they equal a full forward pass over the rows, and the maker runs no actor pass for
+    them: its only log-prob pass is the reference's. ``recompute`` runs the actor pass (two in all)."""
+    from rlhf_core.generation import response_logprobs
+    from rlhf_core.trainers.rlhf import experience
+
+    tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.micro_batch_size=4", "rlhf.max_new_tokens=6",
+                  f"rlhf.rollout_logprobs={source}")
+    assert tr.maker.cfg.need_old_logp  # 4 prompts x G=4 in mini-batches of 4: the policy moves in between
+    passes: list[int] = []
+
+    def counted(model, *args, **kwargs):
+        passes.append(id(model))
+        return response_logprobs(model, *args, **kwargs)
+
+    monkeypatch.setattr(experience, "response_logprobs", counted)
+    exp = tr.collect(0)
+    expected = {id(tr.ref)} | ({id(tr.actor.module)} if source == "recompute" else set())
+    assert set(passes) == expected and len(passes) == 4 * len(expected)  # 16 rows in forward batches of 4
+    with torch.no_grad():
+        recomputed = response_logprobs(tr.actor.module, exp.sequences, exp.attention_mask, exp.response_len)
+    m = exp.action_mask.bool()
+    assert m.sum() > 10 and torch.allclose(exp.old_logp[m], recomputed[m], atol=1e-5)
+
+
 @pytest.mark.parametrize("options", [
     ("rlhf.ppo.kl_in=loss", "rlhf.kl_estimator=k2", "rlhf.ppo.dual_clip=3.0", "rlhf.entropy_coef=0.01",
      "rlhf.ptx_coef=0.5", "rlhf.ppo_epochs=2", "rlhf.micro_batch_size=2", "rlhf.generation_batch_size=2",

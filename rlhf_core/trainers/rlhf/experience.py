@@ -7,7 +7,7 @@ One generation batch goes through these steps (``ExperienceMaker.make``)::
       -> the algorithm's baseline on whole groups (``baselined``: GRPO, RLOO, group mean) on *all* rows
       -> drop rows whose response is empty (only EOS), counted
       -> one pass per model under ``torch.inference_mode()``, logits only over response positions:
-         actor old log-probs, reference log-probs, critic values
+         actor old log-probs (unless recorded while sampling), reference log-probs, critic values
 
 Masks (see ``rlhf_core.generation``): prompts are left-padded; a response ends at its first EOS, which is an
 action; everything after it is masked; ``pad == eos`` tokenizers work because the mask comes from EOS
@@ -247,7 +247,7 @@ class ExperienceMaker:
             keep[0] = True
             roll.action_mask[0] = 0
         exp = Experience(roll.prompt_ids, roll.prompt_mask, roll.responses, roll.action_mask, scores, group,
-                         baselined=baselined).select(keep.nonzero(as_tuple=True)[0], trim=True)
+                         old_logp=roll.logp, baselined=baselined).select(keep.nonzero(as_tuple=True)[0], trim=True)
         exp.info = info
         self._forward_passes(exp)
         self.actor.train(was_training)
@@ -260,9 +260,9 @@ class ExperienceMaker:
         cfg, R, dev = self.cfg, exp.response_len, self.device
         seq, att = exp.sequences.to(dev), exp.attention_mask.to(dev)
         bs = cfg.forward_batch_size or len(exp)
-        out: dict[str, torch.Tensor | None] = {"old_logp": None, "ref_logp": None, "values": None}
+        out: dict[str, torch.Tensor | None] = {"old_logp": exp.old_logp, "ref_logp": None, "values": None}
         t = cfg.gen.temperature
-        if cfg.need_old_logp:
+        if cfg.need_old_logp and exp.old_logp is None:  # not recorded while sampling
             out["old_logp"] = _batched(lambda s: response_logprobs(self.actor, seq[s], att[s], R, t).float(),
                                        len(exp), bs)
         if cfg.need_ref:

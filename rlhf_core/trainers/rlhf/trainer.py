@@ -130,11 +130,13 @@ class RLHFTrainer:
         self.engines = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
         self.device = self.actor.device
 
-        # ---- experience: the rollout log-probs are a separate pass only when the policy moves before they
-        # are used (several optimizer steps per buffer) or the KL goes into the reward
+        # ---- experience: the rollout log-probs are needed before training only when the policy moves before
+        # they are used (several optimizer steps per buffer) or the KL goes into the reward; they are recorded
+        # while sampling (`rollout_logprobs: generation`) or recomputed in a separate pass
         one_step_per_buffer = cfg.ppo_epochs == 1 and self.n_mini == 1
         self.gen = GenerationConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, True,
-                                    synced_gpus=compute.zero_stage == 3 and self.world > 1)
+                                    synced_gpus=compute.zero_stage == 3 and self.world > 1,
+                                    record_logprobs=cfg.rollout_logprobs == "generation")
         self.maker = ExperienceMaker(
             self.actor.module, self.ref, self.critic.module if self.critic is not None else None, self.reward, tok,
             MakerConfig(samples_per_prompt=cfg.samples_per_prompt, gen=self.gen,
