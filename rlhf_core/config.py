@@ -277,6 +277,11 @@ class RLHFConfig(OptimConfig):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same scaling).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
     max_new_tokens: int = Field(8, ge=1, description="Response token limit during rollouts.")
+    shared_prefix: bool = Field(
+        True, description="Forward each prompt once for its group of samples (GRPO's G, PPO's "
+                          "`samples_per_prompt`) in the log-prob passes and the actor's training forward: the "
+                          "prompt's KV cache is shared by the group's responses (same logits and gradients up to "
+                          "float rounding, fewer FLOPs; docs/rlhf.md). Off under `compute.gradient_checkpointing`.")
     rollout_logprobs: Literal["generation", "recompute"] = Field(
         "generation", description="Where the rollout policy's log-probs (PPO's old log-probs) come from: "
                                   "`generation` records them while sampling (no second forward pass; equal to the "

@@ -197,28 +197,74 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
 
 
 def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                    temperature: float = 1.0) -> torch.Tensor:
+                    temperature: float = 1.0, group: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[B, R, V]`` that score the last ``R = response_len`` tokens of ``sequences``, divided by
     ``temperature`` (the distribution that sampled them; TRL and OpenRLHF do the same).
 
     Only the ``R + 1`` last positions are computed (``logits_to_keep``): the logits at position ``t`` score
     token ``t + 1``, so positions ``-R-1 .. -2`` score the response. Positions ignore left padding.
+
+    ``group`` (``[B]``, rows of one prompt consecutive, e.g. GRPO's G samples) computes each prompt once:
+    :func:`shared_prefix_logits`. The same logits (and gradients) up to float rounding, fewer FLOPs.
     """
+    if group is not None:
+        logits = shared_prefix_logits(model, sequences, attention_mask, response_len, group)
+        if logits is not None:
+            return logits / temperature if temperature != 1.0 else logits
     out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 logits_to_keep=response_len + 1, use_cache=False)
     logits = out.logits[:, :-1, :]
     return logits / temperature if temperature != 1.0 else logits
 
 
+def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                         group: torch.Tensor) -> torch.Tensor | None:
+    """``response_logits`` (temperature 1) with each shared prompt computed once, or None where nothing is
+    shared (every row its own group) or a prefix would be all padding.
+
+    With ``P`` prompt columns, the prompt of each run of equal ``group`` ids minus its last token goes through
+    the model once (``P - 1`` positions, one logit kept); its KV cache is indexed out to the run's rows
+    (``Cache.batch_select_indices``: a gather, differentiable, so each prompt's gradient is the sum over its
+    rows); then every row's last prompt token and response go through on top of that cache::
+
+        prefix:  x_g[:P-1]                   for the first row g of each run     (G x fewer prompt FLOPs)
+        suffix:  [x_i[P-1], y_i]  attending to cache[g(i)]   ->  logits at positions -R-1 .. -2
+
+    Positions and the attention mask are those of the full rows, so the logits are those of one forward over
+    ``sequences``. Rows of one run must carry identical prompts (checked).
+    """
+    R = response_len
+    P = sequences.shape[1] - R
+    first = torch.ones_like(group, dtype=torch.bool)
+    first[1:] = group[1:] != group[:-1]
+    n_prefix = int(first.sum())
+    prefix_mask = attention_mask[first, :P - 1]
+    if n_prefix == len(group) or P < 2 or not bool(prefix_mask.any(dim=1).all()):
+        return None
+    owner = first.long().cumsum(0) - 1  # row -> its run's index among the prefixes
+    prompts = sequences[:, :P]
+    if not torch.equal(prompts[first][owner], prompts):
+        raise ValueError("shared_prefix_logits: rows with the same group id carry different prompts")
+    pre = model(input_ids=sequences[first, :P - 1], attention_mask=prefix_mask,
+                position_ids=position_ids(prefix_mask), logits_to_keep=1, use_cache=True)
+    cache = pre.past_key_values
+    cache.batch_select_indices(owner.to(sequences.device))
+    out = model(input_ids=sequences[:, P - 1:], attention_mask=attention_mask,
+                position_ids=position_ids(attention_mask)[:, P - 1:], past_key_values=cache,
+                logits_to_keep=R + 1, use_cache=True)
+    return out.logits[:, :-1, :]
+
+
 def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                      temperature: float = 1.0, return_entropy: bool = False, entropy_grad: bool = False):
-    """Log-probs ``[B, R]`` of the last ``R`` tokens of ``sequences`` under ``model`` (``response_logits``):
-    the one log-prob pass of rollouts, training, the reference and tests.
+                      temperature: float = 1.0, return_entropy: bool = False, entropy_grad: bool = False,
+                      group: torch.Tensor | None = None):
+    """Log-probs ``[B, R]`` of the last ``R`` tokens of ``sequences`` under ``model`` (``response_logits``;
+    ``group``: shared prompts computed once): the one log-prob pass of rollouts, training, the reference and tests.
 
     ``return_entropy`` also gives the per-token entropy ``[B, R]`` (differentiable only with ``entropy_grad``;
     otherwise computed without a graph, for logging).
     """
-    logits = response_logits(model, sequences, attention_mask, response_len, temperature)
+    logits = response_logits(model, sequences, attention_mask, response_len, temperature, group)
     logp = logprobs_from_logits(logits, sequences[:, -response_len:])
     if return_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

@@ -209,3 +209,33 @@ def test_sampled_logprobs_drop_a_step_generate_undid():
     assert torch.allclose(out, torch.log(torch.tensor([[0.25, 0.5], [0.8, 0.1]])))
     with pytest.raises(RuntimeError, match="recorded 0 sampling steps for 2"):
         SampledLogprobs(1.0).finish(ids[:, 1:])
+
+
+def test_shared_prefix_logits_and_gradients_equal_the_full_forward():
+    """Groups of rows sharing a left-padded prompt (one group cut to 1 row, one of 3): each prompt computed once
+    gives the full forward's logits and the same parameter gradients."""
+    from rlhf_core.generation import response_logits, shared_prefix_logits
+
+    model = _tiny_lm()
+    prompts = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]])
+    group = torch.tensor([0, 0, 0, 1, 2, 2])
+    responses = torch.tensor([[4, 5, EOS], [6, EOS, PAD], [4, 4, 4], [9, 3, EOS], [EOS, PAD, PAD], [5, 6, 7]])
+    seq = torch.cat([prompts[group], responses], dim=1)
+    att = torch.cat([(prompts[group] != PAD).long(), response_mask(responses, EOS)], dim=1)
+
+    def run(g):
+        model.zero_grad()
+        logits = response_logits(model, seq, att, 3, temperature=0.7, group=g)
+        (logits * att[:, -3:, None]).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    full, full_grads = run(None)
+    shared, shared_grads = run(group)
+    m = att[:, -3:].bool()
+    assert torch.allclose(full[m], shared[m], atol=1e-5)
+    for a, b in zip(full_grads, shared_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    # nothing shared (every row its own group): None, the caller runs the plain forward
+    assert shared_prefix_logits(model, seq, att, 3, torch.arange(6)) is None
+    with pytest.raises(ValueError, match="different prompts"):
+        shared_prefix_logits(model, seq, att, 3, torch.tensor([0, 0, 0, 0, 2, 2]))

@@ -181,6 +181,7 @@ class MakerConfig:
     need_values: bool
     baseline: Callable[[torch.Tensor], torch.Tensor]  # Algorithm.baseline: scores -> baselined scores
     no_eos_penalty: float | None = None
+    shared_prefix: bool = False  # log-prob passes compute each group's prompt once
 
 
 def _batched(fn, n: int, batch: int):
@@ -262,12 +263,15 @@ class ExperienceMaker:
         bs = cfg.forward_batch_size or len(exp)
         out: dict[str, torch.Tensor | None] = {"old_logp": exp.old_logp, "ref_logp": None, "values": None}
         t = cfg.gen.temperature
+        group = exp.group.to(dev) if cfg.shared_prefix else None
+
+        def logprobs(model, s: slice) -> torch.Tensor:
+            return response_logprobs(model, seq[s], att[s], R, t, group=group[s] if group is not None else None)
+
         if cfg.need_old_logp and exp.old_logp is None:  # not recorded while sampling
-            out["old_logp"] = _batched(lambda s: response_logprobs(self.actor, seq[s], att[s], R, t).float(),
-                                       len(exp), bs)
+            out["old_logp"] = _batched(lambda s: logprobs(self.actor, s).float(), len(exp), bs)
         if cfg.need_ref:
-            out["ref_logp"] = _batched(lambda s: response_logprobs(self.ref, seq[s], att[s], R, t).float(),
-                                       len(exp), bs)
+            out["ref_logp"] = _batched(lambda s: logprobs(self.ref, s).float(), len(exp), bs)
         if cfg.need_values:
             out["values"] = _batched(lambda s: sequence_values(self.critic, seq[s], att[s], R).float(), len(exp), bs)
         return out

@@ -134,6 +134,8 @@ class RLHFTrainer:
         # they are used (several optimizer steps per buffer) or the KL goes into the reward; they are recorded
         # while sampling (`rollout_logprobs: generation`) or recomputed in a separate pass
         one_step_per_buffer = cfg.ppo_epochs == 1 and self.n_mini == 1
+        # a checkpointed layer re-runs its forward in backward and would append to the shared KV cache twice
+        self.shared_prefix = cfg.shared_prefix and cfg.samples_per_prompt > 1 and not compute.gradient_checkpointing
         self.gen = GenerationConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, True,
                                     synced_gpus=compute.zero_stage == 3 and self.world > 1,
                                     record_logprobs=cfg.rollout_logprobs == "generation")
@@ -143,7 +145,7 @@ class RLHFTrainer:
                         forward_batch_size=cfg.micro_batch_size * cfg.grad_accum,
                         need_old_logp=alg.kl_in_reward or not one_step_per_buffer,
                         need_ref=alg.needs_reference, need_values=alg.critic, baseline=alg.baseline,
-                        no_eos_penalty=cfg.no_eos_penalty),
+                        no_eos_penalty=cfg.no_eos_penalty, shared_prefix=self.shared_prefix),
             device=self.device)
         if alg.adaptive_kl:
             self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -159,6 +161,7 @@ class RLHFTrainer:
             self.log({"n_prompts": len(self.prompts.texts), "n_eval_prompts": len(self.prompts.heldout.prompts),
                       "rows_per_step": self.per_rank_prompts * cfg.samples_per_prompt * self.world,
                       "minibatches_per_step": self.n_mini, "optimizer_steps_total": total_opt,
+                      "shared_prefix": float(self.shared_prefix),
                       "resumed_from_step": self.resumed_from, "threads": self.threads}, self.state.step)
         return self
 
@@ -257,7 +260,8 @@ class RLHFTrainer:
                     mb = (exp.select(rows) if len(rows) else zero_row(exp)).to(self.device)
                     if fill_logp:
                         mb.old_logp = None
-                    loss, stats = actor_loss(self.actor, mb, self.algorithm.loss, self.kl_ctl.value)
+                    loss, stats = actor_loss(self.actor, mb, self.algorithm.loss, self.kl_ctl.value,
+                                             self.shared_prefix)
                     logp = stats.pop("_logp")
                     if fill_logp and len(rows):
                         exp.old_logp[rows, :logp.shape[1]] = logp.float().cpu()
