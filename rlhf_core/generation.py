@@ -151,7 +151,8 @@ def clean_generation_config(model, tokenizer) -> Iterator[None]:
             m.generation_config = cfg
 
 
-def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenizer, gen: GenerationConfig) -> Rollout:
+def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenizer, gen: GenerationConfig,
+            group_size: int = 1) -> Rollout:
     """Sample one response per (left-padded) prompt row with the KV cache; masks from the first EOS.
 
     Prompts come pre-tokenised (once per run, with the same special tokens as SFT training); greedy when
@@ -161,6 +162,10 @@ def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenize
 
     With ``gen.record_logprobs`` (and no ``min_new_tokens``, whose EOS ban would enter the logits) the rollout
     also carries ``logp``, the sampled tokens' log-probs under ``logits / temperature`` (:class:`SampledLogprobs`).
+
+    ``group_size`` > 1: the rows come in runs of that many copies of one prompt (GRPO's G samples); each prompt
+    but its last token is prefilled once and its KV cache repeated to the run (:func:`prefilled_cache`), so
+    ``generate`` starts from the last prompt token: the same distribution, G x fewer prefill FLOPs.
     """
     device = next(model.parameters()).device
     kwargs = ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
@@ -171,6 +176,9 @@ def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenize
 
         kwargs["logits_processor"] = LogitsProcessorList([recorder])
     with torch.inference_mode(), clean_generation_config(model, tokenizer):
+        cache = prefilled_cache(model, prompt_ids.to(device), prompt_mask.to(device), group_size)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
         out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
                              max_new_tokens=gen.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=gen.synced_gpus,
@@ -185,6 +193,25 @@ def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenize
                                    skip_special_tokens=True)
     return Rollout(prompt_ids.cpu(), prompt_mask.cpu(), responses, mask, texts, tokenizer.eos_token_id,
                    logp.clone() if logp is not None else None)
+
+
+def prefilled_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
+    """The KV cache of ``prompt_ids[:, :P-1]`` computed once per run of ``group_size`` identical rows and
+    repeated to every row; None where nothing is shared, the rows do not come in such runs, or a prefix
+    would be all padding (then ``generate`` prefills every row itself)."""
+    B, P = prompt_ids.shape
+    if group_size < 2 or P < 2 or B % group_size:
+        return None
+    firsts, first_mask = prompt_ids[::group_size, :P - 1], prompt_mask[::group_size, :P - 1]
+    if not bool(first_mask.any(dim=1).all()):
+        return None
+    if not torch.equal(prompt_ids[::group_size].repeat_interleave(group_size, dim=0), prompt_ids):
+        raise ValueError(f"rollout: rows do not come in runs of {group_size} identical prompts")
+    out = model(input_ids=firsts, attention_mask=first_mask, position_ids=position_ids(first_mask),
+                logits_to_keep=1, use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(group_size)
+    return cache
 
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,

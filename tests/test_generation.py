@@ -239,3 +239,28 @@ def test_shared_prefix_logits_and_gradients_equal_the_full_forward():
     assert shared_prefix_logits(model, seq, att, 3, torch.arange(6)) is None
     with pytest.raises(ValueError, match="different prompts"):
         shared_prefix_logits(model, seq, att, 3, torch.tensor([0, 0, 0, 0, 2, 2]))
+
+
+def test_grouped_rollout_prefills_each_prompt_once_and_samples_the_same():
+    """Runs of 4 copies of a (left-padded) prompt: prefilling each prompt once and repeating its KV cache samples
+    the same tokens under the same seed, with the same recorded log-probs; rows that are not such runs are
+    refused."""
+    from rlhf_core.generation import GenerationConfig, prefilled_cache, rollout
+
+    model = _tiny_lm()
+    prompt = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]]).repeat_interleave(4, dim=0)
+    mask = (prompt != PAD).long()
+    gen = GenerationConfig(10, temperature=0.7, record_logprobs=True)
+    torch.manual_seed(11)
+    plain = rollout(model, prompt, mask, _Tok(), gen)
+    torch.manual_seed(11)
+    grouped = rollout(model, prompt, mask, _Tok(), gen, group_size=4)
+    assert torch.equal(plain.responses, grouped.responses)
+    m = grouped.action_mask.bool()
+    assert torch.allclose(plain.logp[m], grouped.logp[m], atol=1e-5)
+    with torch.no_grad():
+        cache = prefilled_cache(model, prompt, mask, 4)
+    assert cache.get_seq_length() == prompt.shape[1] - 1
+    assert prefilled_cache(model, prompt, mask, 5) is None  # 12 rows are not runs of 5: every row prefilled
+    with pytest.raises(ValueError, match="runs of 3 identical prompts"):
+        prefilled_cache(model, prompt, mask, 3)

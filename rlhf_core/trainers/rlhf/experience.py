@@ -215,7 +215,7 @@ class ExperienceMaker:
         group = torch.arange(len(prompts)).repeat_interleave(n) + group_offset
         was_training = self.actor.training
         self.actor.eval()
-        roll = rollout(self.actor, ids, pmask, self.tok, cfg.gen)
+        roll = rollout(self.actor, ids, pmask, self.tok, cfg.gen, group_size=n if cfg.shared_prefix else 1)
         t_gen = time.perf_counter() - t0
 
         t1 = time.perf_counter()
