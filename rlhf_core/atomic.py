@@ -64,3 +64,18 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         commit_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copy2(src, dst)
+
+
+def copy_dir_atomic(src: str | Path, target: str | Path) -> None:
+    """``target`` becomes a copy of ``src`` (atomically, as ``atomic_dir``). Files are hard-linked where the
+    filesystem allows: free for model weights, and safe because every writer here replaces files by rename
+    rather than writing into them."""
+    with atomic_dir(target) as tmp:
+        shutil.copytree(src, tmp, copy_function=_link_or_copy, dirs_exist_ok=True)

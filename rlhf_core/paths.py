@@ -20,6 +20,12 @@ CHECKPOINTS = Path("checkpoints")  # resumable training state per stage
 METRICS = Path("metrics")  # per-stage metrics JSON (DVC metrics, not cached)
 PLOTS = Path("plots")  # per-stage training curves (DVC plots)
 REPORTS = Path("reports")
+FEEDBACK = Path("data/feedback")  # feedback rounds: round_<n>/ (pairs, manifest, the round's starting models)
+
+
+def round_dir(n: int) -> Path:
+    """``data/feedback/round_<n>``: what round ``n`` collected and started from."""
+    return FEEDBACK / f"round_{n}"
 
 PHASES = ("sft", "pairs", "prompts")
 

@@ -41,8 +41,9 @@ STAGE_INPUTS = {
 STAGE_SECTIONS = {
     "prepare": ("project", "data", "model"),
     "sft": ("project", "model", "compute", "sft"),
-    "rm": ("project", "model", "compute", "rm"),
-    "rlhf": ("project", "model", "compute", "rlhf"),
+    "feedback": ("project", "feedback"),
+    "rm": ("project", "model", "compute", "rm", "feedback"),
+    "rlhf": ("project", "model", "compute", "rlhf", "feedback"),
     "evaluate": ("project", "eval", "gates"),
 }
 

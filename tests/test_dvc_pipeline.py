@@ -75,7 +75,7 @@ def test_every_stage_declares_the_sections_it_logs_and_the_stage_command():
 
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     produced = {o if isinstance(o, str) else next(iter(o)) for s in stages.values() for o in s["outs"]}
-    assert list(stages) == list(STAGE_NAMES) == ["prepare", "sft", "rm", "rlhf", "evaluate"]
+    assert list(stages) == list(STAGE_NAMES) == ["prepare", "sft", "feedback", "rm", "rlhf", "evaluate"]
     for name, stage in stages.items():
         assert stage["cmd"] == f"rlhf stage {name}"
         declared = {p.split(".")[0] for p in stage["params"] if "." not in p}

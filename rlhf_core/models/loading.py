@@ -87,12 +87,21 @@ def build_causal_lm(params: Params, root: str | Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation=kw["attn_implementation"])
 
 
-def build_value_model(params: Params, root: str | Path, init_from: str) -> ValueHeadModel:
-    """Reward model / critic: backbone from ``models/sft`` (``init_from='sft'``) or the base model; fresh head."""
+def build_value_model(params: Params, root: str | Path, init_from: str,
+                      previous: str | Path | None = None) -> ValueHeadModel:
+    """Reward model / critic: backbone from ``models/sft`` (``init_from='sft'``) or the base model, fresh head;
+    ``init_from='previous'``: a saved reward model at ``previous`` (relative to ``root``), backbone and head
+    (a feedback round continues from the previous round's RM)."""
     from transformers import AutoConfig, AutoModel
 
     kw = _model_kwargs(params)
     torch.manual_seed(params.project.seed + 1)
+    if init_from == "previous":
+        path = Path(root) / Path(previous)
+        if not (path / "config.json").exists():
+            raise TrainingInputError(f"{path}: no reward model to continue from; run `rlhf stage feedback` for this "
+                                     "round first or set feedback.rm_init: sft")
+        return ValueHeadModel.from_pretrained(path, require_head=True, **kw)
     if init_from == "sft":
         path = Path(root) / paths.SFT_MODEL
         if not (path / "config.json").exists():

@@ -11,6 +11,7 @@ from __future__ import annotations
 STAGES: dict[str, str] = {
     "prepare": "rlhf_core.stages.prepare:run",
     "sft": "rlhf_core.trainers.sft:train_sft",
+    "feedback": "rlhf_core.stages.feedback:run",
     "rm": "rlhf_core.trainers.rm:train_rm",
     "rlhf": "rlhf_core.trainers.rlhf.trainer:train_rlhf",
     "evaluate": "rlhf_core.stages.evaluate:run",

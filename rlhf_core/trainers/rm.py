@@ -114,7 +114,9 @@ JUDGE = RMRole(f"{STAGE}_judge", paths.JUDGE_MODEL, True)
 def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, hooks: Hooks | None = None) -> dict:
     """Run reward-model training under ``root`` (and the judge with ``rm.judge``); returns the proxy RM's metrics
     (also ``metrics/rm.json``; the judge's are in ``metrics/rm_judge.json``)."""
-    metrics = fit_reward_model(params, Path(root), PROXY, log, hooks)
+    from rlhf_core.config import for_round
+
+    metrics = fit_reward_model(for_round(params), Path(root), PROXY, log, hooks)
     if params.rm.judge:
         judge_log = None if log is None else (lambda m, step: log({f"judge.{k}": v for k, v in m.items()}, step))
         fit_reward_model(params, Path(root), JUDGE, judge_log, hooks)
@@ -140,24 +142,45 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
                              paths.prepared_file("pairs", not role.trains_on_eval_split))
     train = read_split(root, "pairs", eval_split=role.trains_on_eval_split, columns=PAIR_COLUMNS)
     evals = read_split(root, "pairs", eval_split=not role.trains_on_eval_split, columns=PAIR_COLUMNS)
+    files = [paths.prepared_file("pairs"), paths.prepared_file("pairs", True)]
+    n_round = params.feedback.round if role is PROXY else 0
+    fresh = None
+    if n_round:  # a feedback round: its new pairs plus a replay of all earlier ones
+        from rlhf_core.trainers.rm_rounds import round_training_pairs
+
+        train, fresh, round_files = round_training_pairs(root, params, train)
+        files += round_files
+        train_file = paths.round_dir(n_round) / "pairs.parquet"
     data = encode_pairs(tokenizer, train, max_length, str(train_file))
     eval_data = encode_pairs(tokenizer, evals, max_length, str(eval_file))
 
-    init_source = str(paths.SFT_MODEL) if cfg.init_from == "sft" else base_model_source(params, root)
+    init_kind, init_ref = cfg.init_from, paths.SFT_MODEL if cfg.init_from == "sft" else (
+        params.model.name_or_path or paths.BASE_MODEL)
+    if n_round and params.feedback.rm_init == "previous":
+        from rlhf_core.stages.feedback import start_dir
+
+        init_kind, init_ref = "previous", start_dir(Path("."), n_round, "rm")
+    init_source = str(init_ref) if init_kind != "base" else base_model_source(params, root)
     plan, engine = build_engine(params, cfg, "rm.max_length", len(data),
-                                lambda: build_value_model(params, root, cfg.init_from), init_source, tokenizer,
+                                lambda: build_value_model(params, root, init_kind, init_ref), init_source, tokenizer,
                                 max_length)
 
-    files = [paths.prepared_file("pairs"), paths.prepared_file("pairs", True)]
-    init_ref = paths.SFT_MODEL if cfg.init_from == "sft" else (
-        params.model.name_or_path or paths.BASE_MODEL)
     inputs = input_hashes(root, files, {"init_model": init_ref})
     ckpt = checkpoints_for(root, params, role.stage, cfg, inputs)
     pad_id = tokenizer.pad_token_id
     bs = params.eval.batch_size
-    state, resumed_from = resume_or_start(
-        ckpt, engine, cfg.resume, lambda: eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin),
-        params.project.seed)
+    fresh_data = encode_pairs(tokenizer, fresh, max_length, str(train_file)) if fresh is not None else None
+
+    def initial() -> dict:
+        """The starting model on the eval pairs and, in a round, on the round's new pairs (before training on
+        them: how well the previous RM judges what the current policy writes)."""
+        out = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin)
+        if fresh_data is not None:
+            out["fresh_accuracy"] = eval_pairs(engine.module, fresh_data, bs, pad_id, engine.device, cfg.margin)[
+                "accuracy"]
+        return out
+
+    state, resumed_from = resume_or_start(ckpt, engine, cfg.resume, initial, params.project.seed)
     if log is not None and D.is_main():
         log({"n_train_pairs": len(data), "total_steps": plan.total_steps, "resumed_from_step": resumed_from,
              "truncated": data.truncated, "threads": threads}, state.step)
@@ -173,7 +196,9 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
         "train_accuracy_last": state.curve[-1].get("accuracy") if state.curve else None,
         "n_train": len(data), "n_eval": len(eval_data),
         "truncated_train": data.truncated, "truncated_eval": eval_data.truncated,
-        "loss_kind": cfg.loss, "init_from": cfg.init_from,
+        "loss_kind": cfg.loss, "init_from": str(init_ref) if n_round else cfg.init_from,
+        **({"round": n_round, "n_train_new": len(fresh["id"]), "n_train_replay": len(data) - len(fresh["id"]),
+            "fresh_pairs_accuracy_before": before["fresh_accuracy"]} if fresh is not None else {}),
         **run_metrics(state, resumed_from, engine, params, max_length),
     }
     meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,

@@ -30,8 +30,9 @@ FLOW_RUN_LABEL = "rlhf-ops/flow-run"  # the Prefect flow run that created a Job:
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 # Wall-clock budget per stage (Job.spec.activeDeadlineSeconds); the clock restarts when a Job is re-created.
-STAGE_DEADLINE_S = {"prepare": 4 * 3600, "sft": 48 * 3600, "rm": 48 * 3600, "rlhf": 72 * 3600, "evaluate": 12 * 3600}
-STAGE_DEFAULT_GPUS = {"prepare": 0, "sft": 1, "rm": 1, "rlhf": 1, "evaluate": 1}
+STAGE_DEADLINE_S = {"prepare": 4 * 3600, "sft": 48 * 3600, "feedback": 12 * 3600, "rm": 48 * 3600, "rlhf": 72 * 3600,
+                    "evaluate": 12 * 3600}
+STAGE_DEFAULT_GPUS = {"prepare": 0, "sft": 1, "feedback": 1, "rm": 1, "rlhf": 1, "evaluate": 1}
 BACKOFF_LIMIT = 2
 TTL_AFTER_FINISHED_S = 24 * 3600
 

@@ -21,10 +21,12 @@ from rlhf_core.evaluation import HeldOut
 
 @dataclass(frozen=True)
 class Inputs:
-    sft: Path  # actor init and frozen reference
+    sft: Path  # the tokenizer; actor init and frozen reference in the base pipeline
     rm: Path
     uses_rm: bool  # the RM is read (critic init or a reward source)
     needs_critic: bool
+    actor_init: Path  # models/sft, or a feedback round's starting actor
+    reference: Path  # the KL reference: models/sft, or the round's starting actor (feedback.reference: previous)
 
 
 def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
@@ -56,7 +58,16 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
     if RM_SOURCE in cfg.reward_fns and not (rm_dir / "config.json").exists():
         raise TrainingInputError(f"rlhf.reward_fns names `rm` but {paths.RM_MODEL} has no reward model; "
                                  "run `rlhf stage rm` or remove `rm`")
-    return Inputs(sft_dir, rm_dir, needs_critic or RM_SOURCE in cfg.reward_fns, needs_critic)
+    actor_init = reference = sft_dir
+    if params.feedback.round:  # a feedback round continues from the policy it collected comparisons on
+        from rlhf_core.stages.feedback import start_dir
+
+        actor_init = start_dir(root, params.feedback.round, "actor")
+        if not (actor_init / "config.json").exists():
+            raise TrainingInputError(f"{actor_init}: no starting actor for feedback round {params.feedback.round}; "
+                                     "run `rlhf stage feedback` first")
+        reference = actor_init if params.feedback.reference == "previous" else sft_dir
+    return Inputs(sft_dir, rm_dir, needs_critic or RM_SOURCE in cfg.reward_fns, needs_critic, actor_init, reference)
 
 
 def check_critic_tokenizer(sft_dir: Path, rm_dir: Path, trust_remote_code: bool) -> None:

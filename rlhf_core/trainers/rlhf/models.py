@@ -54,10 +54,11 @@ def load_actor(params: Params, sft_dir: Path):
     return disable_dropout(prepare_for_training(model, params.compute))
 
 
-def load_reference(params: Params, sft_dir: Path, actor_engine):
-    """The frozen reference policy, on the actor's device and in its precision."""
+def load_reference(params: Params, sft_dir: Path, actor_engine, actor_init: Path | None = None):
+    """The frozen reference policy at ``sft_dir``, on the actor's device and in its precision (under LoRA, when
+    the actor was initialised from the same weights, the actor with its adapters off)."""
     compute, cfg = params.compute, params.rlhf
-    if compute.lora.enabled:
+    if compute.lora.enabled and (actor_init is None or Path(actor_init) == Path(sft_dir)):
         return AdapterDisabled(actor_engine.module)
     with model_init_context(compute, cfg):
         ref = load_causal_lm(sft_dir, **_model_kwargs(params))

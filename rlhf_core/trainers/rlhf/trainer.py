@@ -119,10 +119,10 @@ class RLHFTrainer:
                                     cfg.grad_accum)
         self.stop_at = min(cfg.max_steps, cfg.num_steps) if cfg.max_steps else cfg.num_steps
         total_opt = cfg.num_steps * cfg.ppo_epochs * self.n_mini
-        actor = load_actor(params, self.inputs.sft)
-        check_vocab_fits(tok, actor, str(paths.SFT_MODEL))
+        actor = load_actor(params, self.inputs.actor_init)
+        check_vocab_fits(tok, actor, str(self.inputs.actor_init))
         self.actor = TrainEngine(actor, compute, cfg, total_opt)
-        self.ref = load_reference(params, self.inputs.sft, self.actor)
+        self.ref = load_reference(params, self.inputs.reference, self.actor, self.inputs.actor_init)
         self.critic = None
         if alg.critic:
             critic_cfg = cfg.model_copy(update={"lr": cfg.ppo.critic_lr})
@@ -175,7 +175,8 @@ class RLHFTrainer:
         files = [paths.prepared_file("prompts"), paths.prepared_file("prompts", True)]
         if cfg.ptx_coef > 0:
             files.append(paths.prepared_file("sft"))
-        self.hashes = input_hashes(self.root, files, {"sft": paths.SFT_MODEL,
+        round_start = {"actor_init": self.inputs.actor_init} if self.inputs.actor_init != self.inputs.sft else {}
+        self.hashes = input_hashes(self.root, files, {"sft": paths.SFT_MODEL, **round_start,
                                                       **({"rm": paths.RM_MODEL} if self.inputs.uses_rm else {})})
         initial = (lambda: self.heldout_eval(self.actor.module, with_kl=False)) if self.do_eval else dict
         self.ckpt = None
@@ -406,11 +407,14 @@ class RLHFTrainer:
 
         cfg, root, merge = self.cfg, self.root, self.params.compute.lora.merge_on_save
         inputs = {"sft": dir_sha256(self.inputs.sft), **({"rm": dir_sha256(self.inputs.rm)}
-                                                          if self.inputs.uses_rm else {})}
+                                                          if self.inputs.uses_rm else {}),
+                  **({"actor_init": dir_sha256(self.inputs.actor_init)} if self.inputs.actor_init != self.inputs.sft
+                     else {})}
         meta = stage_meta(STAGE, self.params, inputs, algorithm=cfg.algorithm, steps=self.state.step,
                           data=self.hashes, sft_model=str(paths.SFT_MODEL),
                           rm_model=str(paths.RM_MODEL) if self.inputs.uses_rm else None,
-                          lora=self.params.compute.lora.enabled)
+                          lora=self.params.compute.lora.enabled, feedback_round=self.params.feedback.round,
+                          actor_init=str(self.inputs.actor_init.relative_to(self.root)))
 
         def card(role: str, with_metrics: bool = True) -> str:
             return render_model_card({**meta, "role": role}, self.params, metrics if with_metrics else None)
@@ -446,7 +450,8 @@ def train_rlhf(params: Params, root: str | Path = ".", log: LogFn | None = None,
     """Run the RLHF stage under ``root``; returns the stage metrics (also ``metrics/rlhf.json``). Without
     ``hooks``, sampled responses are logged as MLflow tables (``tracking.log_table``: nothing when off)."""
     from rlhf_core import tracking
+    from rlhf_core.config import for_round
 
-    trainer = RLHFTrainer(params, root, log, hooks or RLHFHooks(log_table=tracking.log_table)).setup()
+    trainer = RLHFTrainer(for_round(params), root, log, hooks or RLHFHooks(log_table=tracking.log_table)).setup()
     trainer.train()
     return trainer.finish()
