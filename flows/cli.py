@@ -33,6 +33,18 @@ def _prepare_environment(params_file: Path):
     return params, ensure_dvc
 
 
+def print_rounds(done: list[dict]) -> None:
+    table = Table(title="rlhf-ops feedback rounds")
+    cols = ("judge_accuracy", "proxy_reward", "kl_to_reference", "rm_fresh_pairs_accuracy_before", "pairs_labelled")
+    for col in ("round", *cols, "gate", "champion"):
+        table.add_column(col)
+    for r in done:
+        f = r["figures"]
+        table.add_row(str(r["round"]), *("-" if f.get(c) is None else f"{f[c]:.4g}" for c in cols),
+                      "passed" if r.get("gate_passed") else "failed", f"v{r.get('champion')}")
+    console.print(table)
+
+
 def print_summary(summary: dict) -> None:
     table = Table(title="rlhf-ops pipeline")
     for col in ("stage", "status", "seconds", "key metrics"):
@@ -66,11 +78,16 @@ def run_cmd(
     promote: bool = typer.Option(True, "--promote/--no-promote", help="Move `champion` when the gate passes."),
     force: bool = typer.Option(False, "--force", help="Re-run stages even when DVC finds them up to date."),
     strict_gate: bool = typer.Option(False, "--strict-gate", help="Exit 4 when the gate rejects the candidate."),
+    rounds: int = typer.Option(0, "--rounds", min=0, help="Run this many feedback rounds (continuous RLHF, "
+                                                          "docs/rounds.md), after the base pipeline if it never "
+                                                          "finished; 0: the pipeline once."),
 ) -> None:
     """Run the whole pipeline as a Prefect flow (embedded default: offline, no servers).
 
-    Example: rlhf run -S sft.epochs=2 --stage prepare --stage sft
+    Example: rlhf run -S sft.epochs=2 --stage prepare --stage sft; rlhf run --rounds 3
     """
+    if rounds and stages:
+        fail("--rounds runs every stage of each round; it takes no --stage")
     params, ensure_dvc = _prepare_environment(Path(DEFAULT_PARAMS))
     from rlhf_core.tracking import TrackingUnavailable, check_reachable, tracking_uri
 
@@ -88,6 +105,12 @@ def run_cmd(
                 ensure_dvc(Path("."), params.project.workspace)
             from flows.pipeline import rlhf_pipeline
 
+            if rounds:
+                from flows.rounds import rlhf_rounds
+
+                done = rlhf_rounds(rounds=rounds, overrides=set_ or None, backend=backend, promote=promote)
+                print_rounds(done)
+                return
             summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend,
                                     promote=promote, force=force)
     except WorkspaceBusy as err:

@@ -455,10 +455,12 @@ def test_prefect_yaml_deployment_parameters_validate_against_the_flow():
     """Every deployment's parameters in prefect.yaml pass the flow's own validation, and the Kubernetes one
     yields valid stage Jobs (so a typo there fails here, not at 3 am on the cluster)."""
     from flows.pipeline import rlhf_pipeline, stage_job_options
+    from flows.rounds import rlhf_rounds
 
+    flows = {"flows/pipeline.py:rlhf_pipeline": rlhf_pipeline, "flows/rounds.py:rlhf_rounds": rlhf_rounds}
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     for dep in deployments:
-        params = rlhf_pipeline.validate_parameters(dict(dep.get("parameters") or {}))
+        params = flows[dep["entrypoint"]].validate_parameters(dict(dep.get("parameters") or {}))
         assert dep["concurrency_limit"]["limit"] == 1, dep["name"]
         if params.get("backend") == "kubernetes":
             options = stage_job_options(list(STAGE_NAMES), params.get("k8s"), params.get("k8s_stages"), "r")

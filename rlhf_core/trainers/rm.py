@@ -148,7 +148,7 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     if n_round:  # a feedback round: its new pairs plus a replay of all earlier ones
         from rlhf_core.trainers.rm_rounds import round_training_pairs
 
-        train, fresh, round_files = round_training_pairs(root, params, train)
+        train, fresh, round_files, replay_pool = round_training_pairs(root, params, train)
         files += round_files
         train_file = paths.round_dir(n_round) / "pairs.parquet"
     data = encode_pairs(tokenizer, train, max_length, str(train_file))
@@ -198,6 +198,7 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
         "truncated_train": data.truncated, "truncated_eval": eval_data.truncated,
         "loss_kind": cfg.loss, "init_from": str(init_ref) if n_round else cfg.init_from,
         **({"round": n_round, "n_train_new": len(fresh["id"]), "n_train_replay": len(data) - len(fresh["id"]),
+            "n_train_replay_pool": replay_pool,
             "fresh_pairs_accuracy_before": before["fresh_accuracy"]} if fresh is not None else {}),
         **run_metrics(state, resumed_from, engine, params, max_length),
     }

@@ -29,8 +29,9 @@ def read_round_pairs(root: Path, n: int) -> dict[str, list]:
 
 
 def round_training_pairs(root: Path, params: Params, prepared: dict[str, list]
-                         ) -> tuple[dict[str, list], dict[str, list], list[Path]]:
-    """(training pairs = new + replay, the new pairs alone, the files read) for round ``feedback.round``."""
+                         ) -> tuple[dict[str, list], dict[str, list], list[Path], int]:
+    """(training pairs = new + replay, the new pairs alone, the files read, the number of earlier pairs the
+    replay drew from) for round ``feedback.round``."""
     n = params.feedback.round
     fresh = read_round_pairs(root, n)
     old = {c: list(prepared[c]) for c in COLUMNS}
@@ -42,4 +43,4 @@ def round_training_pairs(root: Path, params: Params, prepared: dict[str, list]
         files.append(paths.round_dir(k) / "pairs.parquet")
     keep = replay_indices(len(old["id"]), params.feedback.replay_share, params.project.seed * 1009 + n)
     train = {c: fresh[c] + [old[c][i] for i in keep] for c in COLUMNS}
-    return train, fresh, files
+    return train, fresh, files, len(old["id"])
