@@ -25,7 +25,7 @@ import yaml
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s import manifests, names, work_pool
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import render_pytorchjob, render_stage_job, render_stage_resources
+from tasks.k8s.render import render_jobset, render_pytorchjob, render_stage_job, render_stage_resources
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -175,6 +175,71 @@ def test_render_stage_job_validates_strictly(stage, variant):
 @pytest.mark.parametrize("stage", ["sft", "rm", "rlhf", "evaluate"])
 def test_render_pytorchjob_validates(stage):
     validate_pytorchjob(render_pytorchjob(StageJobOptions(stage, nnodes=3, gpus=4)))
+
+
+JOBSET_SCHEMA = K8S / "crds" / "jobset-v0.12.0.schema.json"
+
+
+def validate_jobset(doc: dict) -> None:
+    """The JobSet against the published CRD's openAPIV3Schema (vendored: k8s/crds/, its source in the file), with
+    unknown fields refused as the API server's structural pruning would drop them; its child Job strictly
+    against Kubernetes' own batch/v1 schema."""
+    import jsonschema
+
+    schema = json.loads(JOBSET_SCHEMA.read_text())["openAPIV3Schema"]
+
+    def closed(node):  # structural schemas prune unknown fields: refuse them here, so a typo cannot pass
+        if isinstance(node, dict):
+            node = {k: closed(v) for k, v in node.items()}
+            if node.get("type") == "object" and "properties" in node and not node.get(
+                    "x-kubernetes-preserve-unknown-fields"):
+                node.setdefault("additionalProperties", False)
+            return node
+        return [closed(x) for x in node] if isinstance(node, list) else node
+
+    jsonschema.validate(doc, closed(schema))
+    for rj in doc["spec"]["replicatedJobs"]:
+        validate_strict({"apiVersion": "batch/v1", "kind": "Job",
+                         "metadata": {"name": f"{doc['metadata']['name']}-{rj['name']}-0",
+                                      "namespace": doc["metadata"]["namespace"], **rj["template"]["metadata"]},
+                         "spec": rj["template"]["spec"]})
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "rlhf"])
+def test_render_jobset_validates_against_the_published_crd(stage):
+    doc = render_jobset(StageJobOptions(stage, nnodes=3, gpus=8, queue="team-a", priority_class="training-low"))
+    validate_jobset(doc)
+    job = doc["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["backoffLimit"] == 0 and job["completions"] == job["parallelism"] == 3  # a failed pod fails the Job
+    assert [r["action"] for r in job["podFailurePolicy"]["rules"]] == ["FailJob", "FailJob"]
+    rules = doc["spec"]["failurePolicy"]["rules"]
+    assert [(r["action"], r["onJobFailureMessagePatterns"]) for r in rules] == [
+        ("FailJobSet", ["matching FailJob rule at index 0"]),  # exit 2 / 65: permanent
+        ("RestartJobSetAndIgnoreMaxRestarts", ["matching FailJob rule at index 1"])]  # preemption
+    pod = job["template"]["spec"]
+    name = doc["metadata"]["name"]
+    cmd = pod["containers"][0]["command"]
+    assert f"--master_addr={name}-node-0-0.{name}" in cmd and "--node_rank=$(JOB_COMPLETION_INDEX)" in cmd
+    assert "subdomain" not in pod and doc["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": name,
+                                                                  "publishNotReadyAddresses": True}
+    wait = next(c for c in pod["initContainers"] if c["name"] == "wait-for-master")
+    assert f"getent hosts {name}-node-0-0.{name}" in wait["command"][-1]
+    assert doc["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == "team-a"
+
+
+def test_jobset_schema_check_refuses_what_the_crd_does_not_allow():
+    import jsonschema
+
+    bad = render_jobset(StageJobOptions("rlhf", nnodes=2))
+    bad["spec"]["failurePolicy"]["rules"][0]["action"] = "Explode"
+    with pytest.raises(jsonschema.ValidationError, match="Explode"):
+        validate_jobset(bad)
+    bad = render_jobset(StageJobOptions("rlhf", nnodes=2))
+    bad["spec"]["replicatedJobs"][0]["replica"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="replica"):
+        validate_jobset(bad)
+    with pytest.raises(ValueError, match="not distributed"):
+        render_jobset(StageJobOptions("prepare"))
 
 
 def test_strict_validation_rejects_unknown_fields():

@@ -26,7 +26,7 @@ def _main(argv: list[str] | None = None) -> int:
     r.add_argument("--nproc-per-node", type=int)
     r.add_argument("--image", default=DEFAULT_GPU_IMAGE)
     r.add_argument("--namespace", default=NAMESPACE)
-    r.add_argument("--kind", choices=("job", "pytorchjob"), default="job")
+    r.add_argument("--kind", choices=("job", "jobset", "pytorchjob"), default="job")
     args = parser.parse_args(argv)
     if args.cmd == "render":
         sys.stdout.write(main_render(args.stage, kind=args.kind, gpus=args.gpus, nnodes=args.nnodes,

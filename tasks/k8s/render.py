@@ -221,9 +221,9 @@ def object_meta(opts: StageJobOptions, labels: dict[str, str]) -> dict:
     return meta
 
 
-def wait_for_master(job_name: str, image: str, image_pull_policy: str) -> dict:
+def wait_for_master(job_name: str, image: str, image_pull_policy: str, service: str | None = None) -> dict:
     """Init container: wait (up to 10 min) until pod 0's DNS name resolves, so torchrun connects on first try."""
-    host = master_addr(job_name)
+    host = master_addr(job_name, service)
     script = (f"for i in $(seq 300); do getent hosts {host} && exit 0; sleep 2; done; "
               f"echo 'rendezvous host {host} did not resolve in 600 s' >&2; exit 1")
     return {
@@ -305,18 +305,75 @@ def render_pytorchjob(opts: StageJobOptions) -> dict:
     }
 
 
+JOBSET_NODES = "node"  # the JobSet's one replicated Job: its pods are <jobset>-node-0-<rank>.<jobset>
+
+
+def render_jobset(opts: StageJobOptions) -> dict:
+    """A ``JobSet`` (jobset.x-k8s.io/v1alpha2) for a multi-node stage: the stage's Indexed Job as its one
+    replicated Job, restarted as a group.
+
+    * Gang restart: the child Job has ``backoffLimit: 0``, so a failed pod fails it, and the JobSet recreates all
+      pods (``failurePolicy.maxRestarts`` = ``backoff_limit``); every rank resumes from the shared checkpoint,
+      instead of the survivors hanging in NCCL until the deadline.
+    * The child Job's pod failure policy stays the stage Job's: a permanent exit (bad params or input,
+      rule 0) fails the JobSet at once (``FailJobSet``); a disruption (preemption, eviction, node drain: rule 1)
+      fails the child Job too, so the whole group restarts, not counted against ``maxRestarts``. The rules
+      match the Job controller's failure message ``... matching FailJob rule at index N``.
+    * Rendezvous: JobSet publishes the pods under a headless Service named after it; rank 0 is
+      ``<name>-node-0-0.<name>``.
+    """
+    if opts.stage == "prepare":
+        raise ValueError("the prepare stage is not distributed; run it as a Job")
+    name = opts.job_name
+    job = render_stage_job(opts)
+    first_job = f"{name}-{JOBSET_NODES}-0"  # the replicated Job's name; its pod i is <first_job>-<i>
+    pod = job["spec"]["template"]["spec"]
+    pod["containers"][0]["command"] = stage_command(opts.stage, opts.params_path, opts.nnodes, opts.procs_per_node,
+                                                    job_name=first_job, service=name)
+    pod.pop("subdomain", None)  # JobSet sets each pod's hostname and subdomain
+    pod["initContainers"] = [c for c in pod.get("initContainers", []) if c["name"] != "wait-for-master"] + (
+        [wait_for_master(first_job, opts.image, opts.image_pull_policy, service=name)] if opts.nnodes > 1 else [])
+    spec = job["spec"]
+    spec["backoffLimit"] = 0
+    rules = spec["podFailurePolicy"]["rules"]
+    rules[1] = {**rules[1], "action": "FailJob"}  # a disrupted pod restarts the group, not itself alone
+    spec.pop("ttlSecondsAfterFinished", None)  # the JobSet's TTL removes its Jobs
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": job["metadata"],
+        "spec": {
+            "failurePolicy": {"maxRestarts": opts.backoff_limit, "rules": [
+                {"name": "permanentExit", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
+                 "onJobFailureMessagePatterns": ["matching FailJob rule at index 0"]},
+                {"name": "disruption", "action": "RestartJobSetAndIgnoreMaxRestarts",
+                 "onJobFailureReasons": ["PodFailurePolicy"],
+                 "onJobFailureMessagePatterns": ["matching FailJob rule at index 1"]},
+            ]},
+            "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
+            "replicatedJobs": [{"name": JOBSET_NODES, "replicas": 1,
+                                "template": {"metadata": copy.deepcopy(job["spec"]["template"]["metadata"]),
+                                             "spec": spec}}],
+            "ttlSecondsAfterFinished": opts.ttl_s,
+        },
+    }
+
+
 def to_yaml(docs: list[dict] | dict) -> str:
     docs = docs if isinstance(docs, list) else [docs]
     return "---\n".join(yaml.safe_dump(d, sort_keys=False, default_flow_style=False, width=120) for d in docs)
 
 
 def main_render(stage: str, kind: str = "job", **kw) -> str:
-    """YAML for ``rlhf k8s render STAGE``: the stage's Job (and headless Service when multi-node),
-    or with ``kind="pytorchjob"`` a Kubeflow PyTorchJob.  Pipe it to ``kubectl apply -f -``."""
+    """YAML for ``rlhf k8s render STAGE``: the stage's Job (and headless Service when multi-node), with
+    ``kind="jobset"`` a JobSet (gang restart), with ``kind="pytorchjob"`` a Kubeflow PyTorchJob.  Pipe it to
+    ``kubectl apply -f -``."""
     if kind == "job":
         return to_yaml(render_stage_resources(StageJobOptions.from_dict(stage, kw)))
     if kind == "pytorchjob":
         return to_yaml(render_pytorchjob(StageJobOptions.from_dict(stage, kw)))
-    raise ValueError(f"unknown kind {kind!r}; expected job or pytorchjob")
+    if kind == "jobset":
+        return to_yaml(render_jobset(StageJobOptions.from_dict(stage, kw)))
+    raise ValueError(f"unknown kind {kind!r}; expected job, jobset or pytorchjob")
 
 
