@@ -63,6 +63,8 @@ class FakeCluster:
     pods: list[dict] = field(default_factory=list)
     logs: list[str] = field(default_factory=list)  # successive GET log bodies
     requests: list[Request] = field(default_factory=list)
+    jobset_states: list[dict] | None = None  # successive JobSet `status`es; None: the cluster has no JobSet API
+    listed_jobsets: list[dict] = field(default_factory=list)
 
     def request(self, method, url, headers=None, body=None, post_params=None, _request_timeout=None):
         parts = urlsplit(url)
@@ -74,6 +76,19 @@ class FakeCluster:
 
     def answer(self, req: Request) -> FakeHTTPResponse:
         jobs = f"/apis/batch/v1/namespaces/{NS}/jobs"
+        jobsets = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
+        if req.path.startswith(jobsets) and self.jobset_states is not None:
+            if req.method == "POST":
+                return FakeHTTPResponse(201, req.body)
+            if req.method == "GET" and req.path == jobsets:
+                return FakeHTTPResponse(200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList",
+                                              "metadata": {}, "items": self.listed_jobsets})
+            if req.method == "GET":
+                status = self.jobset_states.pop(0) if len(self.jobset_states) > 1 else self.jobset_states[0]
+                return FakeHTTPResponse(200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                                              "metadata": {"name": req.path.rsplit("/", 1)[1]}, "status": status})
+            if req.method == "DELETE":
+                return FakeHTTPResponse(200, {"apiVersion": "v1", "kind": "Status", "status": "Success"})
         if req.method == "POST" and req.path == jobs:
             created = json.loads(json.dumps(req.body))
             created["metadata"].update(uid=JOB_UID, resourceVersion="1", creationTimestamp="2025-01-01T00:00:00Z")
@@ -375,7 +390,7 @@ def test_delete_flow_run_jobs_deletes_the_running_ones_of_that_run():
     batch, _ = apis(cluster)
     deleted = submit.delete_flow_run_jobs("run-1", NS, batch_api=batch, log=lambda _: None)
     assert deleted == ["rlhf-rm-b2", "rlhf-rlhf-c3"]
-    (listing,) = [r for r in cluster.requests if r.method == "GET"]
+    (listing,) = [r for r in cluster.requests if r.method == "GET" and r.path.startswith("/apis/batch/")]
     assert listing.query["labelSelector"] == f"{names.FLOW_RUN_LABEL}=run-1"
     assert [r.path.rsplit("/", 1)[1] for r in cluster.requests if r.method == "DELETE"] == deleted
 
@@ -395,7 +410,9 @@ def test_flow_cancellation_hook_deletes_the_runs_jobs_in_every_namespace(monkeyp
     run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="r", parameters=params)
     stop_stage_jobs(rlhf_pipeline, run, None)
     lists = [r.path for r in cluster.requests if r.method == "GET"]
-    assert lists == [f"/apis/batch/v1/namespaces/{n}/jobs" for n in ("gpu", NS)]  # "gpu" answers 404: goes on
+    assert lists == [p for n in ("gpu", NS)  # "gpu" answers 404: goes on; no JobSet API (404): no JobSet
+                     for p in (f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{n}/jobsets",
+                               f"/apis/batch/v1/namespaces/{n}/jobs")]
     assert [r.path for r in cluster.requests if r.method == "DELETE"] == [f"/apis/batch/v1/namespaces/{NS}/jobs/"
                                                                           "rlhf-rm-b2"]
     assert all(r.query["labelSelector"] == f"{names.FLOW_RUN_LABEL}={run.id}" for r in cluster.requests
@@ -486,3 +503,59 @@ def test_lineage_without_git_reads_the_image(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_GIT_SHA", "unknown")
     monkeypatch.delenv("RLHF_IMAGE")
     assert code_lineage(tmp_path) == {"git_sha": "unknown", "version": lineage["version"]}
+
+
+JS_RUNNING = {"restarts": 0, "replicatedJobsStatus": [{"name": "node", "active": 1}]}
+JS_COMPLETED = {"restarts": 1, "conditions": [{"type": "Completed", "status": "True", "reason": "AllJobsCompleted"}]}
+JS_FAILED = {"restarts": 0, "conditions": [{"type": "Failed", "status": "True", "reason": "FailedJobs",
+                                            "message": "jobset failed due to matching failure policy rule "
+                                                       "permanentExit"}]}
+
+
+def test_multinode_as_a_jobset_is_created_watched_and_explained():
+    """multinode=jobset: the real CustomObjectsApi posts render_jobset's object (no Job, no Service of ours),
+    rank 0's logs are followed, the JobSet's Completed condition ends the wait; a Failed one is explained."""
+    from tasks.k8s.render import render_jobset
+
+    cluster = FakeCluster(job_states=[RUNNING], jobset_states=[JS_RUNNING, JS_COMPLETED],
+                          pods=[pod("rlhf-rlhf-j1-node-0-1-x", index="1"), pod("rlhf-rlhf-j1-node-0-0-y", index="0")],
+                          logs=["2025-01-01T00:00:02Z rank0 step 1\n"])
+    batch, core = apis(cluster)
+    lines: list[str] = []
+    result = submit.submit_stage_job("rlhf", name="rlhf-rlhf-j1", nnodes=2, gpus=8, multinode="jobset",
+                                     batch_api=batch, core_api=core, poll_s=0, log=lines.append)
+    assert result["status"] == "succeeded" and "rank0 step 1" in lines
+    (posted,) = [r for r in cluster.requests if r.method == "POST"]
+    assert posted.path == f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
+    expected = render_jobset(StageJobOptions.from_dict("rlhf", {"name": "rlhf-rlhf-j1", "nnodes": 2, "gpus": 8,
+                                                                "multinode": "jobset", "seed_params": False,
+                                                                "env": None, "namespace": NS}))
+    assert posted.body == json.loads(json.dumps(expected))
+    logged = [r.path for r in cluster.requests if r.path.endswith("/log")]
+    assert logged == [f"/api/v1/namespaces/{NS}/pods/rlhf-rlhf-j1-node-0-0-y/log"] * len(logged)  # rank 0 only
+
+    failing = FakeCluster(job_states=[RUNNING], jobset_states=[JS_FAILED], pods=[pod(
+        "rlhf-rlhf-j2-node-0-0-z", index="0", phase="Failed", terminated={"exitCode": 65, "reason": "Error"})])
+    batch, core = apis(failing)
+    with pytest.raises(submit.StageJobFailed, match=r"jobset rlhf/rlhf-rlhf-j2: FailedJobs \(jobset failed due to "
+                                                    r"matching failure policy rule permanentExit\).*exit code 65"):
+        submit.submit_stage_job("rlhf", name="rlhf-rlhf-j2", nnodes=2, multinode="jobset", batch_api=batch,
+                                core_api=core, poll_s=0, log=lambda _: None)
+    with pytest.raises(ValueError, match="multinode must be one of job, jobset"):
+        StageJobOptions("rlhf", nnodes=2, multinode="mpi")
+
+
+def test_delete_flow_run_jobs_deletes_a_running_jobset_with_its_jobs():
+    listed_js = {"metadata": {"name": "rlhf-rlhf-d1", "namespace": NS}, "status": JS_RUNNING}
+    done_js = {"metadata": {"name": "rlhf-sft-d0", "namespace": NS}, "status": JS_COMPLETED}
+    child = _listed("rlhf-rlhf-d1-node-0", RUNNING)
+    child["metadata"]["ownerReferences"] = [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                                             "name": "rlhf-rlhf-d1", "uid": "u1"}]
+    cluster = FakeCluster(job_states=[RUNNING], jobset_states=[JS_RUNNING], listed_jobsets=[listed_js, done_js],
+                          listed_jobs=[child])
+    batch, _ = apis(cluster)
+    assert submit.delete_flow_run_jobs("run-2", NS, batch_api=batch, log=lambda _: None) == ["rlhf-rlhf-d1"]
+    deletes = [r.path for r in cluster.requests if r.method == "DELETE"]
+    assert deletes == [f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets/rlhf-rlhf-d1"]
+    listing = [r for r in cluster.requests if r.method == "GET" and "jobset" in r.path]
+    assert listing[0].query["labelSelector"] == f"{names.FLOW_RUN_LABEL}=run-2"

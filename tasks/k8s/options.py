@@ -29,6 +29,8 @@ from tasks.k8s.names import (
     default_job_name,
 )
 
+MULTINODE_KINDS = ("job", "jobset")  # jobset needs the JobSet controller (jobset.x-k8s.io) on the cluster
+
 
 @dataclass(frozen=True)
 class StageJobOptions:
@@ -38,7 +40,8 @@ class StageJobOptions:
     params_path: str = "params.yaml"  # where the stage reads its params, relative to the workspace
     image: str = DEFAULT_GPU_IMAGE
     gpus: int | None = None  # per node; None: 0 for prepare, 1 for the others
-    nnodes: int = 1  # > 1: an Indexed Job (or a PyTorchJob) over that many nodes
+    nnodes: int = 1  # > 1: an Indexed Job (or a JobSet, or a PyTorchJob) over that many nodes
+    multinode: str = "job"  # nnodes > 1 as "job" (Indexed Job + headless Service) or "jobset" (gang restart)
     nproc_per_node: int | None = None  # None: one process per GPU (1 without GPUs)
     namespace: str = NAMESPACE
     name: str | None = None  # the Job's name; None: rlhf-<stage>
@@ -74,6 +77,8 @@ class StageJobOptions:
             raise ValueError(f"nproc_per_node must be >= 1 (got {nproc})")
         if gpus and nproc > gpus:
             raise ValueError(f"nproc_per_node={nproc} exceeds gpus={gpus} per node (one process per GPU)")
+        if self.multinode not in MULTINODE_KINDS:
+            raise ValueError(f"multinode must be one of {', '.join(MULTINODE_KINDS)} (got {self.multinode!r})")
         if self.stage == "prepare" and (self.nnodes > 1 or nproc > 1):
             raise ValueError("the prepare stage runs in one process (nnodes=1, nproc_per_node=1)")
         if Path(self.params_path).is_absolute() or ".." in Path(self.params_path).parts:
@@ -106,6 +111,11 @@ class StageJobOptions:
     def procs_per_node(self) -> int:
         default = 1 if self.stage == "prepare" else max(1, self.gpus_per_node)
         return default if self.nproc_per_node is None else int(self.nproc_per_node)
+
+    @property
+    def as_jobset(self) -> bool:
+        """Several nodes run as a JobSet (``multinode: jobset``), else as an Indexed Job."""
+        return self.nnodes > 1 and self.multinode == "jobset"
 
     @property
     def job_name(self) -> str:

@@ -10,12 +10,15 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rlhf_core.stages import STAGE_TIMEOUT_S
 from tasks.k8s.names import COMPLETION_INDEX_ANNOTATION, FLOW_RUN_LABEL, NAMESPACE, default_job_name
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import render_stage_resources
+from tasks.k8s.render import render_jobset, render_stage_resources
+
+JOBSET_API = ("jobset.x-k8s.io", "v1alpha2", "jobsets")  # group, version, plural
 
 _log = logging.getLogger(__name__)
 
@@ -89,6 +92,14 @@ def _job_condition(job) -> tuple[str | None, str | None, str | None]:
     return None, None, None
 
 
+def _jobset_condition(obj: dict) -> tuple[str | None, str | None, str | None]:
+    """('Complete'|'Failed'|None, reason, message) from a JobSet's terminal conditions (``Completed``, ``Failed``)."""
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") in ("Completed", "Failed") and cond.get("status") == "True":
+            return ("Complete" if cond["type"] == "Completed" else "Failed"), cond.get("reason"), cond.get("message")
+    return None, None, None
+
+
 def _pod_failure(pod, container: str) -> tuple[str | None, int | None, str | None]:
     """(reason, exit code, message) of the pod's failure: the container's termination, else the pod's reason."""
     status = pod.status
@@ -124,13 +135,15 @@ def submit_stage_job(
     seed_params: bool = False,
     batch_api=None,
     core_api=None,
+    custom_api=None,
     timeout_s: float = STAGE_TIMEOUT_S["kubernetes"],
     poll_s: float = 10.0,
     delete_on_timeout: bool = True,
     log: Callable[[str], None] | None = None,
     **render_kw,
 ) -> dict:
-    """Create the stage's Job (and headless Service when multi-node), stream its logs, wait for the end.
+    """Create the stage's Job (and headless Service when multi-node; a JobSet with ``multinode="jobset"``),
+    stream rank 0's logs, wait for the end.
 
     ``render_kw`` are further ``StageJobOptions`` (image, gpus, nnodes, ...); an unknown one is an error.
     Runs against the workspace's ``params.yaml`` as the calling flow left it (``seed_params=False``).
@@ -145,74 +158,122 @@ def submit_stage_job(
     name = name or f"{default_job_name(stage)}-{secrets.token_hex(3)}"
     opts = StageJobOptions.from_dict(stage, {"namespace": namespace, "name": name, "env": env,
                                              "seed_params": seed_params, **render_kw})
-    resources = render_stage_resources(opts)
-    manifest = resources[-1]
     batch_api, core_api = _load_apis(batch_api, core_api)
     start = time.monotonic()
-    created = batch_api.create_namespaced_job(namespace, client.V1Job.from_dict(manifest))
-    emit(f"created job {namespace}/{name} for stage {stage!r}")
-    if len(resources) == 2:  # headless Service, garbage-collected with the Job
-        svc = copy.deepcopy(resources[0])
-        svc["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
-                                               "uid": created.metadata.uid}]
-        core_api.create_namespaced_service(namespace, client.V1Service.from_dict(svc))
-    container = manifest["spec"]["template"]["spec"]["containers"][0]["name"]
+    if opts.as_jobset:  # the JobSet controller creates the Jobs, the pods and their headless Service
+        custom_api = custom_api or client.CustomObjectsApi(batch_api.api_client)
+        group, version, plural = JOBSET_API
+        manifest = render_jobset(opts)
+        custom_api.create_namespaced_custom_object(group, version, namespace, plural, manifest)
+        emit(f"created jobset {namespace}/{name} for stage {stage!r}")
+        pod_template = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+        watched = _Watched("jobset", lambda: _jobset_condition(
+            custom_api.get_namespaced_custom_object(group, version, namespace, plural, name)),
+            lambda: custom_api.delete_namespaced_custom_object(group, version, namespace, plural, name,
+                                                               propagation_policy="Background"))
+    else:
+        resources = render_stage_resources(opts)
+        manifest = resources[-1]
+        created = batch_api.create_namespaced_job(namespace, client.V1Job.from_dict(manifest))
+        emit(f"created job {namespace}/{name} for stage {stage!r}")
+        if len(resources) == 2:  # headless Service, garbage-collected with the Job
+            svc = copy.deepcopy(resources[0])
+            svc["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
+                                                   "uid": created.metadata.uid}]
+            core_api.create_namespaced_service(namespace, client.V1Service.from_dict(svc))
+        pod_template = manifest["spec"]["template"]
+        watched = _Watched("job", lambda: _job_condition(batch_api.read_namespaced_job(name, namespace)),
+                           lambda: batch_api.delete_namespaced_job(name, namespace, propagation_policy="Background"))
+    container = pod_template["spec"]["containers"][0]["name"]
     try:
-        return _wait_for_job(stage, name, namespace, container, batch_api, core_api, emit, start, timeout_s, poll_s,
+        return _wait_for_job(stage, name, namespace, container, watched, core_api, emit, start, timeout_s, poll_s,
                              delete_on_timeout)
     except StageJobFailed:
         raise
     except BaseException:  # task timeout, flow cancellation, Ctrl-C, a lost API connection: stop what we started
-        _delete_quietly(batch_api, name, namespace, emit)
+        _delete_quietly(watched, name, namespace, emit)
         raise
 
 
-def _delete_quietly(batch_api, name: str, namespace: str, emit: Callable[[str], None]) -> None:
+@dataclass(frozen=True)
+class _Watched:
+    """What the wait loop polls and, when interrupted, deletes: a Job or a JobSet."""
+
+    kind: str
+    condition: Callable[[], tuple[str | None, str | None, str | None]]
+    delete: Callable[[], Any]
+
+
+def _delete_quietly(watched: _Watched, name: str, namespace: str, emit: Callable[[str], None]) -> None:
     try:
-        batch_api.delete_namespaced_job(name, namespace, propagation_policy="Background")
-        emit(f"deleted job {namespace}/{name} (the task was interrupted)")
+        watched.delete()
+        emit(f"deleted {watched.kind} {namespace}/{name} (the task was interrupted)")
     except Exception as err:  # the original interruption is what the caller must see
-        emit(f"could not delete job {namespace}/{name}: {err}")
+        emit(f"could not delete {watched.kind} {namespace}/{name}: {err}")
 
 
 def delete_flow_run_jobs(flow_run_id: str, namespace: str = NAMESPACE, batch_api=None,
-                         log: Callable[[str], None] | None = None) -> list[str]:
-    """Delete the stage Jobs a flow run created (label ``rlhf-ops/flow-run=<id>``), pods included.
+                         log: Callable[[str], None] | None = None, custom_api=None) -> list[str]:
+    """Delete the stage Jobs and JobSets a flow run created (label ``rlhf-ops/flow-run=<id>``), pods included.
 
-    For the flow's cancellation and crash hooks: a flow run that stops leaves no GPU Job behind.
-    Returns the deleted Jobs' names.
+    For the flow's cancellation and crash hooks: a flow run that stops leaves no GPU Job behind. A JobSet's
+    own Jobs go with it (deleting one of them alone would make the JobSet recreate it). A cluster without the
+    JobSet API (404) has none to delete. Returns the deleted objects' names.
     """
+    from kubernetes.client.exceptions import ApiException
+
     emit = log or _log.info
     if batch_api is None:
         batch_api, _ = _load_apis(None, None)
-    jobs = batch_api.list_namespaced_job(namespace, label_selector=f"{FLOW_RUN_LABEL}={flow_run_id}").items or []
+    selector = f"{FLOW_RUN_LABEL}={flow_run_id}"
     deleted = []
+    if custom_api is None:
+        from kubernetes import client
+
+        custom_api = client.CustomObjectsApi(batch_api.api_client)
+    group, version, plural = JOBSET_API
+    try:
+        jobsets = custom_api.list_namespaced_custom_object(group, version, namespace, plural,
+                                                           label_selector=selector).get("items") or []
+    except ApiException as err:
+        if err.status != 404:
+            raise
+        jobsets = []
+    for js in jobsets:
+        if _jobset_condition(js)[0] is None:
+            js_name = js["metadata"]["name"]
+            custom_api.delete_namespaced_custom_object(group, version, namespace, plural, js_name,
+                                                       propagation_policy="Background")
+            emit(f"deleted jobset {namespace}/{js_name} of flow run {flow_run_id}")
+            deleted.append(js_name)
+    jobs = batch_api.list_namespaced_job(namespace, label_selector=selector).items or []
     for job in jobs:
         if _job_condition(job)[0] in ("Complete", "Failed"):
             continue  # finished: its TTL removes it; its pods keep the logs until then
+        if any(ref.kind == "JobSet" for ref in job.metadata.owner_references or []):
+            continue  # goes with its JobSet
         batch_api.delete_namespaced_job(job.metadata.name, namespace, propagation_policy="Background")
         emit(f"deleted job {namespace}/{job.metadata.name} of flow run {flow_run_id}")
         deleted.append(job.metadata.name)
     return deleted
 
 
-def _wait_for_job(stage: str, name: str, namespace: str, container: str, batch_api, core_api,
+def _wait_for_job(stage: str, name: str, namespace: str, container: str, watched: _Watched, core_api,
                   emit: Callable[[str], None], start: float, timeout_s: float, poll_s: float,
                   delete_on_timeout: bool) -> dict:
     follower = LogFollower(core_api, namespace, container, emit)
     selector = f"rlhf-ops/job={name}"
     pods: list = []
     while True:
-        job = batch_api.read_namespaced_job(name, namespace)
+        state, reason, message = watched.condition()
         pods = sorted(core_api.list_namespaced_pod(namespace, label_selector=selector).items or [],
                       key=lambda p: (p.metadata.creation_timestamp is None, p.metadata.creation_timestamp))
         lead = [p for p in pods if (p.metadata.annotations or {}).get(COMPLETION_INDEX_ANNOTATION, "0") == "0"]
         if lead:
             follower.poll(lead[-1].metadata.name)  # rank 0 logs; the newest pod after a retry
-        state, reason, message = _job_condition(job)
         if state == "Complete":
             seconds = round(time.monotonic() - start, 1)
-            emit(f"job {name} complete in {seconds}s")
+            emit(f"{watched.kind} {name} complete in {seconds}s")
             return {"stage": stage, "job_name": name, "namespace": namespace, "status": "succeeded",
                     "pods": [p.metadata.name for p in pods], "seconds": seconds}
         if state == "Failed":
@@ -223,7 +284,7 @@ def _wait_for_job(stage: str, name: str, namespace: str, container: str, batch_a
                     pod = candidate
                     if found[0]:
                         pod_reason, exit_code, pod_message = found
-            text = f"stage {stage!r} failed: job {namespace}/{name}: {reason or 'Failed'}"
+            text = f"stage {stage!r} failed: {watched.kind} {namespace}/{name}: {reason or 'Failed'}"
             text += f" ({message})" if message else ""
             if pod is not None:
                 text += f"; pod {pod.metadata.name}: {pod_reason or 'unknown'}"
@@ -236,8 +297,8 @@ def _wait_for_job(stage: str, name: str, namespace: str, container: str, batch_a
                                  exit_code=exit_code, log_tail=list(follower.tail))
         if time.monotonic() - start > timeout_s:
             if delete_on_timeout:
-                batch_api.delete_namespaced_job(name, namespace, propagation_policy="Background")
-            raise StageJobTimeout(f"stage {stage!r}: job {namespace}/{name} still running after {timeout_s}s"
+                watched.delete()
+            raise StageJobTimeout(f"stage {stage!r}: {watched.kind} {namespace}/{name} still running after {timeout_s}s"
                                   + (" (deleted)" if delete_on_timeout else ""), stage=stage, job_name=name,
                                   reason="Timeout", log_tail=list(follower.tail))
         time.sleep(poll_s)
