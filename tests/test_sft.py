@@ -243,7 +243,7 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_not_run(ws, tmp_path):
     there (here: one that would create a file when unpickled) stops the resume with the file named."""
     import pickle
 
-    from rlhf_core.engine.checkpoint import UnsafeCheckpointError
+    from rlhf_core.engine.checkpoint import UnsafeCheckpointError, write_manifest
     from rlhf_core.trainers.sft import train_sft
 
     p = tiny_params("sft.max_steps=2", "eval.max_prompts=8")
@@ -256,6 +256,8 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_not_run(ws, tmp_path):
 
     rng_file = ws / "checkpoints/sft/step_00000002/rng_rank0.pt"
     rng_file.write_bytes(pickle.dumps({"torch": Planted()}))
+    # whoever can write the checkpoint can rewrite its manifest: weights_only is the defence, not the hash
+    write_manifest(rng_file.parent)
     with pytest.raises(UnsafeCheckpointError, match=r"rng_rank0.pt: refused to load"):
         train_sft(tiny_params("sft.max_steps=2", "eval.max_prompts=8"), ws)
     assert not marker.exists()

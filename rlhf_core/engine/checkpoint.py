@@ -6,17 +6,26 @@ Layout::
       fingerprint.json        what the checkpoints belong to (params + input hashes + world size)
       latest                  tag of the newest complete checkpoint (written last, atomically)
       step_00000020/          DeepSpeed files (model, optimizer, scheduler), trainer_state.json,
-                              rng_rank<r>.pt (torch / cuda / numpy / python RNG per rank)
+                              rng_rank<r>.pt (torch / cuda / numpy / python RNG per rank),
+                              manifest.json (size and sha256 of every other file, written before ``latest``)
 
 A checkpoint counts only once ``latest`` names it, so a crash while saving leaves the previous
 one in force.  A fingerprint mismatch (changed params or data) starts training afresh.
+
+Before resuming, the checkpoint is checked against its manifest: a missing, truncated or altered file (bit rot,
+a half-copied volume, a full disk) is named, and the newest checkpoint that checks out is used instead
+(``keep_checkpoints`` >= 2 keeps one to fall back to); when none does, the stage refuses
+(:class:`CorruptCheckpointError`) rather than train from garbage or silently start over. ``latest`` naming a
+step that is gone falls back the same way. A checkpoint written before manifests existed is accepted as is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,53 @@ from rlhf_core.engine import distributed as D
 LATEST = "latest"
 FINGERPRINT = "fingerprint.json"
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+
+
+class CorruptCheckpointError(ValueError):
+    """No checkpoint of the stage checks out against its manifest; the message names each bad file."""
+
+
+def write_manifest(tag_dir: Path) -> None:
+    """``manifest.json``: size and sha256 of every file under ``tag_dir`` (itself excluded)."""
+    files = {}
+    for path in sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+        files[str(path.relative_to(tag_dir))] = {"size": path.stat().st_size, "sha256": h.hexdigest()}
+    write_json_atomic(tag_dir / MANIFEST, {"files": files})
+
+
+def verify_checkpoint(tag_dir: Path) -> str | None:
+    """None when ``tag_dir`` is a complete checkpoint whose files match its manifest, else what is wrong, naming
+    the file. Sizes are compared first (a truncated file costs no hashing)."""
+    if not tag_dir.is_dir():
+        return f"{tag_dir}: missing"
+    if not (tag_dir / TRAINER_STATE).exists():
+        return f"{tag_dir / TRAINER_STATE}: missing (an incomplete save)"
+    manifest = tag_dir / MANIFEST
+    if not manifest.exists():
+        return None  # written before manifests existed
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return f"{manifest}: unreadable ({err})"
+    for rel, want in files.items():
+        path = tag_dir / rel
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != want["size"]:
+            return f"{path}: {path.stat().st_size} bytes, the manifest says {want['size']} (truncated or altered)"
+    for rel, want in files.items():
+        h = hashlib.sha256()
+        with open(tag_dir / rel, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+        if h.hexdigest() != want["sha256"]:
+            return f"{tag_dir / rel}: sha256 differs from the manifest (corrupted)"
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -91,19 +147,51 @@ class CheckpointManager:
         return path.exists() and json.loads(path.read_text()) == self.fingerprint
 
     def prepare(self, resume: bool) -> str | None:
-        """Decide where training starts: the tag to resume from, or None (stale checkpoints are cleared)."""
-        tag = None
+        """Decide where training starts: the tag to resume from, or None (stale checkpoints are cleared).
+        Raises :class:`CorruptCheckpointError` on every rank when checkpoints exist and none checks out."""
+        tag, error = None, None
         if D.is_main():
-            if resume and self.matches() and self.latest_tag():
-                tag = self.latest_tag()
+            candidates = self.candidates() if resume and self.matches() else []
+            if candidates:
+                tag, error = self.resume_tag(candidates)
             else:
                 if self.dir.exists():
                     shutil.rmtree(self.dir)
                 self.dir.mkdir(parents=True, exist_ok=True)
                 write_json_atomic(self.dir / FINGERPRINT, self.fingerprint)
-        tag = D.broadcast_object(tag)
+        tag, error = D.broadcast_object((tag, error))
         D.barrier()
+        if error:
+            raise CorruptCheckpointError(error)
         return tag
+
+    def candidates(self) -> list[str]:
+        """Tags to resume from, best first: the one ``latest`` names, then the other ``step_*`` newest first."""
+        named = (self.dir / LATEST).read_text().strip() if (self.dir / LATEST).exists() else None
+        steps = sorted((p.name for p in self.dir.glob("step_*") if p.is_dir()), reverse=True)
+        return ([named] if named else []) + [t for t in steps if t != named]
+
+    def resume_tag(self, candidates: list[str]) -> tuple[str | None, str | None]:
+        """(the first candidate that checks out, None), or (None, an error naming every bad file)."""
+        bad = []
+        for tag in candidates:
+            problem = verify_checkpoint(self.dir / tag)
+            if problem is None:
+                if bad:  # said where the stage's output goes (the flow's logs), as SIGTERM handling does
+                    print(f"checkpoint: resuming from {self.dir / tag} instead: {'; '.join(bad)}", file=sys.stderr,
+                          flush=True)
+                return tag, None
+            bad.append(problem)
+        return None, (f"no usable checkpoint in {self.dir}: " + "; ".join(bad) + f". Refusing to train from it; "
+                      f"delete {self.dir} to start the stage afresh (keep_checkpoints >= 2 keeps one to fall "
+                      "back to)")
+
+    def _commit(self, tag: str, trainer_state: dict) -> None:
+        """Rank 0, after every rank saved its files: trainer state, the manifest, then ``latest``, then prune."""
+        write_json_atomic(self.dir / tag / TRAINER_STATE, trainer_state)
+        write_manifest(self.dir / tag)
+        write_text_atomic(self.dir / LATEST, tag)
+        self._prune(keep_tag=tag)
 
     # ------------------------------------------------------------------ save / load
     def save(self, engine, step: int, trainer_state: dict) -> str:
@@ -113,9 +201,7 @@ class CheckpointManager:
         torch.save(rng_state(), self.dir / tag / f"rng_rank{D.rank()}.pt")
         D.barrier()
         if D.is_main():
-            write_json_atomic(self.dir / tag / TRAINER_STATE, trainer_state)
-            write_text_atomic(self.dir / LATEST, tag)
-            self._prune(keep_tag=tag)
+            self._commit(tag, trainer_state)
         D.barrier()
         return str(self.dir / tag)
 

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.atomic import write_json_atomic, write_text_atomic
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.checkpoint import (
-    LATEST,
     TRAINER_STATE,
     CheckpointManager,
     load_rng_state,
@@ -47,9 +45,7 @@ class MultiEngineCheckpoint(CheckpointManager):
             torch.save(ema, tag_dir / EMA_FILE)
         D.barrier()
         if D.is_main():
-            write_json_atomic(tag_dir / TRAINER_STATE, trainer_state)
-            write_text_atomic(self.dir / LATEST, tag)
-            self._prune(keep_tag=tag)
+            self._commit(tag, trainer_state)
         D.barrier()
         return str(tag_dir)
 

@@ -1,0 +1,70 @@
+"""Corrupted checkpoints are detected, named, and never trained from: a real SFT run on the tiny demo saves
+checkpoints with manifests; a bit flip, a truncation or a `latest` naming a missing step makes the resume fall
+back to the newest checkpoint that checks out (ending with the uninterrupted run's weights), or refuse."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from rlhf_core.engine.checkpoint import MANIFEST, CorruptCheckpointError, verify_checkpoint
+from tests.test_sft import prepared, tiny_params, ws  # noqa: F401  (the tiny demo's prepared workspace)
+
+STEPS = ["sft.max_steps=4", "sft.save_every=2", "sft.keep_checkpoints=2", "eval.max_prompts=8"]
+
+
+def _weights(root):
+    from safetensors.torch import load_file
+
+    return load_file(root / "models/sft/model.safetensors")
+
+
+def _run(root, *extra):
+    from rlhf_core.trainers.sft import train_sft
+
+    return train_sft(tiny_params(*STEPS, *extra), root)
+
+
+def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_good_one(ws, tmp_path, capfd):  # noqa: F811
+    first = _run(ws)
+    reference = _weights(ws)
+    ckpts = ws / "checkpoints/sft"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002", "step_00000004"]
+    assert verify_checkpoint(ckpts / "step_00000004") is None
+    assert json.loads((ckpts / "step_00000004" / MANIFEST).read_text())["files"]
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpts, pristine)
+
+    # one flipped bit in the newest model states: detected, named, resumed from step 2 instead
+    model_file = next((ckpts / "step_00000004").rglob("*model_states.pt"))
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    model_file.write_bytes(bytes(data))
+    problem = verify_checkpoint(ckpts / "step_00000004")
+    assert problem == f"{model_file}: sha256 differs from the manifest (corrupted)"
+    again = _run(ws)
+    assert again["resumed_from_step"] == 2 and again["steps"] == first["steps"] == 4
+    assert f"resuming from {ckpts / 'step_00000002'} instead: {problem}" in capfd.readouterr().err
+    for k, v in _weights(ws).items():  # retrained steps 3-4 from step 2: the uninterrupted run's weights
+        assert torch.equal(v, reference[k]), k
+
+    # `latest` naming a step that is gone: the newest one that checks out
+    shutil.rmtree(ckpts)
+    shutil.copytree(pristine, ckpts)
+    shutil.rmtree(ckpts / "step_00000004")
+    assert _run(ws)["resumed_from_step"] == 2
+
+
+def test_no_checkpoint_that_checks_out_refuses_naming_the_files(ws):  # noqa: F811
+    _run(ws, "sft.keep_checkpoints=1")
+    ckpts = ws / "checkpoints/sft"
+    (only,) = ckpts.glob("step_*")
+    rng = only / "rng_rank0.pt"
+    rng.write_bytes(rng.read_bytes()[:10])  # truncated (a full disk, a half-copied volume)
+    with pytest.raises(CorruptCheckpointError, match=rf"no usable checkpoint in {ckpts}: {rng}: 10 bytes, the "
+                                                     r"manifest says \d+ \(truncated or altered\)\. Refusing"):
+        _run(ws, "sft.keep_checkpoints=1")
+    assert rng.exists()  # nothing deleted: the operator decides
