@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pandas as pd
 import torch
 
 from rlhf_core import paths, tracking
@@ -125,7 +124,9 @@ def win_rate(a: torch.Tensor, b: torch.Tensor) -> float:
 def evaluate(params: Params, root: str | Path = ".", log=None) -> dict:
     root = Path(root)
     torch.manual_seed(params.project.seed)
-    df = pd.read_parquet(root / paths.prepared_file("prompts", eval_split=True))
+    from rlhf_core.trainers.common import read_prepared_table
+
+    df = read_prepared_table(root, paths.prepared_file("prompts", eval_split=True)).to_pandas()
     if df.empty:
         raise ValueError(f"{paths.prepared_file('prompts', eval_split=True)} is empty: nothing to evaluate")
     df = df.head(params.eval.max_prompts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,15 +26,35 @@ from rlhf_core.model_card import CARD_FILE, render_model_card
 _NON_TRAINING_KEYS = ("save_every", "log_every", "resume", "keep_checkpoints")
 
 
-def read_split(root: str | Path, phase: str, eval_split: bool = False, columns: tuple[str, ...] = ()) -> dict:
-    """Columns of ``data/prepared/[eval_]<phase>.parquet`` as lists; a missing or empty file is an error."""
+def read_prepared_table(root: str | Path, rel: Path):
+    """``data/prepared/<file>`` as a pyarrow Table, checked first against the sha256 that prepare recorded for it
+    in ``manifest.json``: a file altered after prepare (bit rot, a bad copy) is a ``DataError`` naming it, never
+    read as data; so is a file that is not parquet at all."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rel = paths.prepared_file(phase, eval_split)
+    from rlhf_core.meta import file_sha256
+
     path = Path(root) / rel
     if not path.exists():
         raise DataError(f"{rel}: not found; run `rlhf stage prepare` first")
-    table = pq.read_table(path)
+    fix = f"restore it with `dvc checkout {paths.PREPARED}` or re-run `rlhf stage prepare`"
+    manifest = Path(root) / paths.MANIFEST
+    want = json.loads(manifest.read_text()).get("hashes", {}).get(path.name) if manifest.exists() else None
+    if want and file_sha256(path) != want:
+        raise DataError(f"{rel}: its sha256 differs from the one {paths.MANIFEST} recorded (corrupted or changed "
+                        f"after prepare); {fix}")
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DataError(f"{rel}: not a readable parquet file ({err}); {fix}") from None
+
+
+def read_split(root: str | Path, phase: str, eval_split: bool = False, columns: tuple[str, ...] = ()) -> dict:
+    """Columns of ``data/prepared/[eval_]<phase>.parquet`` as lists (``read_prepared_table``: checked against the
+    prepare manifest); a missing, corrupted or empty file is an error."""
+    rel = paths.prepared_file(phase, eval_split)
+    table = read_prepared_table(root, rel)
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DataError(f"{rel}: missing column(s) {missing}")

@@ -1,6 +1,9 @@
-"""Corrupted checkpoints are detected, named, and never trained from: a real SFT run on the tiny demo saves
-checkpoints with manifests; a bit flip, a truncation or a `latest` naming a missing step makes the resume fall
-back to the newest checkpoint that checks out (ending with the uninterrupted run's weights), or refuse."""
+"""Corrupted files are detected, named, and never trained from.
+
+Checkpoints: a real SFT run on the tiny demo saves checkpoints with manifests; a bit flip, a truncation or a
+`latest` naming a missing step makes the resume fall back to the newest checkpoint that checks out (ending with
+the uninterrupted run's weights), or refuse. Prepared data: a parquet file altered after prepare, or not parquet
+at all, stops the stage naming it."""
 
 from __future__ import annotations
 
@@ -68,3 +71,22 @@ def test_no_checkpoint_that_checks_out_refuses_naming_the_files(ws):  # noqa: F8
                                                      r"manifest says \d+ \(truncated or altered\)\. Refusing"):
         _run(ws, "sft.keep_checkpoints=1")
     assert rng.exists()  # nothing deleted: the operator decides
+
+
+@pytest.mark.parametrize("damage", ["bit_flip", "not_parquet"])
+def test_a_corrupted_prepared_file_stops_the_stage_naming_it(ws, damage):  # noqa: F811
+    from rlhf_core.data.readers import DataError
+    from rlhf_core.trainers.sft import train_sft
+
+    sft = ws / "data/prepared/sft.parquet"
+    if damage == "bit_flip":  # still parses, different rows: only the recorded hash tells
+        data = bytearray(sft.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        sft.write_bytes(bytes(data))
+        message = r"data/prepared/sft.parquet: its sha256 differs from the one data/prepared/manifest.json recorded"
+    else:
+        (ws / "data/prepared/manifest.json").unlink()  # no recorded hashes: the parquet reader is the check
+        sft.write_text("id,prompt\n1,hello\n")
+        message = r"data/prepared/sft.parquet: not a readable parquet file \("
+    with pytest.raises(DataError, match=message + r".*`dvc checkout data/prepared` or re-run `rlhf stage prepare`"):
+        train_sft(tiny_params(*STEPS), ws)
