@@ -57,10 +57,15 @@ def commit_dir(tmp: str | Path, target: str | Path) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
-    """Yield a temp dir next to ``target``; on success it replaces ``target`` by rename (else it is removed)."""
+    """Yield a temp dir next to ``target``; on success it replaces ``target`` by rename (else it is removed).
+    An ``OSError`` while writing (no space left, a quota) says that ``target`` is unchanged."""
     tmp = make_temp_dir(target)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as err:
+            raise OSError(err.errno, f"writing {target} failed ({err.strerror or err}); {target} is unchanged "
+                                     "(the partial copy is removed)") from err
         commit_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

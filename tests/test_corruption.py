@@ -90,3 +90,46 @@ def test_a_corrupted_prepared_file_stops_the_stage_naming_it(ws, damage):  # noq
         message = r"data/prepared/sft.parquet: not a readable parquet file \("
     with pytest.raises(DataError, match=message + r".*`dvc checkout data/prepared` or re-run `rlhf stage prepare`"):
         train_sft(tiny_params(*STEPS), ws)
+
+
+DISK_FULL_RUN = """
+import resource, sys
+from rlhf_core.engine.loop import Hooks
+from rlhf_core.trainers.sft import train_sft
+from tests.test_sft import tiny_params
+
+def after_step(step, metrics):
+    if step == 2:  # the step-2 checkpoint is written: from now on no file may grow past 64 KiB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+train_sft(tiny_params(*sys.argv[2:]), sys.argv[1], hooks=Hooks(after_step=after_step))
+"""
+
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_says_so(ws, tmp_path):  # noqa: F811
+    """A real write limit (RLIMIT_FSIZE: the kernel refuses to grow a file past 64 KiB, as a full disk or quota
+    would) set after the step-2 checkpoint: saving step 4 fails, the error names it and the checkpoint that stays
+    in force, `latest` still names step 2, and the re-run resumes there and ends with the uninterrupted weights."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    reference_ws = tmp_path / "reference"
+    shutil.copytree(ws, reference_ws)
+    _run(reference_ws)
+    reference = _weights(reference_ws)
+
+    proc = subprocess.run([sys.executable, "-c", DISK_FULL_RUN, str(ws), *STEPS], cwd=repo, capture_output=True,
+                          text=True, timeout=600)
+    ckpts = ws / "checkpoints/sft"
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode != 0 and "CheckpointSaveError" in said, proc.stderr[-3000:]
+    assert f"{ckpts / 'step_00000004'}: saving the checkpoint failed (" in said
+    assert f"); {ckpts / 'step_00000002'} stays the checkpoint a re-run resumes from" in said
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert not (ws / "models/sft/model.safetensors").exists()
+    again = _run(ws)
+    assert again["resumed_from_step"] == 2 and again["steps"] == 4
+    for k, v in _weights(ws).items():
+        assert torch.equal(v, reference[k]), k

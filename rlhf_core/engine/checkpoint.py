@@ -21,11 +21,13 @@ step that is gone falls back the same way. A checkpoint written before manifests
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,10 @@ MANIFEST = "manifest.json"
 
 class CorruptCheckpointError(ValueError):
     """No checkpoint of the stage checks out against its manifest; the message names each bad file."""
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (a full disk, a quota); the message says which one stays in force."""
 
 
 def write_manifest(tag_dir: Path) -> None:
@@ -186,6 +192,24 @@ class CheckpointManager:
                       f"delete {self.dir} to start the stage afresh (keep_checkpoints >= 2 keeps one to fall "
                       "back to)")
 
+    @contextlib.contextmanager
+    def saving(self, tag: str) -> Iterator[None]:
+        """Around writing checkpoint ``tag``: a failed write (no space left, file too large, a quota: an
+        ``OSError``, or the ``RuntimeError`` torch's zip writer turns it into) becomes a
+        :class:`CheckpointSaveError` saying that ``latest`` was not moved and which checkpoint a re-run resumes
+        from (the partial ``tag`` directory is left for the next save or prune to replace)."""
+        try:
+            yield
+        except (OSError, RuntimeError) as err:
+            if isinstance(err, CheckpointSaveError):
+                raise
+            kept = self.latest_tag()
+            then = (f"{self.dir / kept} stays the checkpoint a re-run resumes from" if kept
+                    else "there is no earlier checkpoint: a re-run starts the stage afresh")
+            cause = (err.strerror if isinstance(err, OSError) and err.strerror
+                     else f"{type(err).__name__}: {str(err).strip()}: a write was cut short, e.g. a full disk")
+            raise CheckpointSaveError(f"{self.dir / tag}: saving the checkpoint failed ({cause}); {then}") from err
+
     def _commit(self, tag: str, trainer_state: dict) -> None:
         """Rank 0, after every rank saved its files: trainer state, the manifest, then ``latest``, then prune."""
         write_json_atomic(self.dir / tag / TRAINER_STATE, trainer_state)
@@ -197,11 +221,12 @@ class CheckpointManager:
     def save(self, engine, step: int, trainer_state: dict) -> str:
         """All ranks: DeepSpeed state + per-rank RNG; rank 0 then writes trainer state and flips ``latest``."""
         tag = f"step_{step:08d}"
-        engine.ds.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
-        torch.save(rng_state(), self.dir / tag / f"rng_rank{D.rank()}.pt")
-        D.barrier()
-        if D.is_main():
-            self._commit(tag, trainer_state)
+        with self.saving(tag):
+            engine.ds.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
+            torch.save(rng_state(), self.dir / tag / f"rng_rank{D.rank()}.pt")
+            D.barrier()
+            if D.is_main():
+                self._commit(tag, trainer_state)
         D.barrier()
         return str(self.dir / tag)
 

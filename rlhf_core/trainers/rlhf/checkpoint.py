@@ -38,14 +38,15 @@ class MultiEngineCheckpoint(CheckpointManager):
     def save(self, engines: dict, step: int, trainer_state: dict, ema: dict | None = None) -> str:  # type: ignore[override]
         tag = f"step_{step:08d}"
         tag_dir = self.dir / tag
-        for name, engine in engines.items():
-            engine.ds.save_checkpoint(str(tag_dir), tag=name, save_latest=False)
-        torch.save(rng_state(), tag_dir / f"rng_rank{D.rank()}.pt")
-        if ema is not None and D.is_main():
-            torch.save(ema, tag_dir / EMA_FILE)
-        D.barrier()
-        if D.is_main():
-            self._commit(tag, trainer_state)
+        with self.saving(tag):
+            for name, engine in engines.items():
+                engine.ds.save_checkpoint(str(tag_dir), tag=name, save_latest=False)
+            torch.save(rng_state(), tag_dir / f"rng_rank{D.rank()}.pt")
+            if ema is not None and D.is_main():
+                torch.save(ema, tag_dir / EMA_FILE)
+            D.barrier()
+            if D.is_main():
+                self._commit(tag, trainer_state)
         D.barrier()
         return str(tag_dir)
 
