@@ -19,8 +19,10 @@ from tests.test_pipeline_e2e import rlhf_run
 from tests.test_reward_hacking import TINY
 
 ROUNDS = {**TINY,
+          "sft": {**TINY["sft"], "epochs": 10},  # the flow is what is tested here, not how well SFT learns
           "rlhf": {**TINY["rlhf"], "algorithm": "grpo", "reward_fns": {"rm": 1.0}, "num_steps": 3},
-          "rm": {"epochs": 4},
+          "rm": {"epochs": 3},
+          "eval": {**TINY["eval"], "max_prompts": 48},
           "feedback": {"prompts_per_round": 48, "samples_per_prompt": 4, "pairs_per_prompt": 2, "rl_steps": 2}}
 
 
