@@ -559,3 +559,32 @@ def test_delete_flow_run_jobs_deletes_a_running_jobset_with_its_jobs():
     assert deletes == [f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets/rlhf-rlhf-d1"]
     listing = [r for r in cluster.requests if r.method == "GET" and "jobset" in r.path]
     assert listing[0].query["labelSelector"] == f"{names.FLOW_RUN_LABEL}=run-2"
+
+
+def test_stage_jobs_of_an_in_cluster_flow_run_are_owned_by_its_job(monkeypatch):
+    """In the flow-run pod (the work pool's template sets RLHF_FLOW_JOB_* through the downward API) the stage Job
+    and a JobSet name the flow-run Job as their owner, so deleting it garbage-collects them; a stage in another
+    namespace cannot be owned across namespaces and gets no owner."""
+    from tasks.k8s.work_pool import build_work_pool_template
+
+    monkeypatch.setenv("RLHF_FLOW_JOB_NAME", "flow-run-job-x1")
+    monkeypatch.setenv("RLHF_FLOW_JOB_UID", "0b5e2c3a-1111-4000-8000-00000000aaaa")
+    monkeypatch.setenv("RLHF_FLOW_JOB_NAMESPACE", NS)
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": "flow-run-job-x1",
+             "uid": "0b5e2c3a-1111-4000-8000-00000000aaaa", "blockOwnerDeletion": False}
+    cluster = FakeCluster(job_states=[COMPLETE], jobset_states=[JS_COMPLETED])
+    batch, core = apis(cluster)
+    submit.submit_stage_job("sft", name="rlhf-sft-o1", batch_api=batch, core_api=core, poll_s=0, log=lambda _: None)
+    submit.submit_stage_job("rlhf", name="rlhf-rlhf-o2", nnodes=2, multinode="jobset", batch_api=batch,
+                            core_api=core, poll_s=0, log=lambda _: None)
+    posts = [r for r in cluster.requests if r.method == "POST"]
+    assert [r.body["kind"] for r in posts] == ["Job", "JobSet"]
+    assert all(r.body["metadata"]["ownerReferences"] == [owner] for r in posts)
+    assert submit.flow_job_owner("gpu") is None  # another namespace
+    assert submit.flow_job_owner(NS, {"RLHF_FLOW_JOB_NAME": "", "RLHF_FLOW_JOB_UID": "",
+                                      "RLHF_FLOW_JOB_NAMESPACE": NS}) is None  # not a Job's pod
+    env = build_work_pool_template()["job_configuration"]["job_manifest"]["spec"]["template"]["spec"][
+        "containers"][0]["env"]
+    refs = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in env if "fieldRef" in e.get("valueFrom", {})}
+    assert refs["RLHF_FLOW_JOB_UID"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
+    assert refs["RLHF_FLOW_JOB_NAMESPACE"] == "metadata.namespace"

@@ -90,3 +90,11 @@ def check_name(kind: str, value: str) -> None:
                          f"at most 63 characters)")
 
 
+
+# The flow-run pod's own Job (the Prefect worker's), through the downward API: stage Jobs in the same namespace
+# name it as their owner, so deleting the flow-run Job (Prefect's cancellation) garbage-collects them.
+FLOW_JOB_ENV = {
+    "RLHF_FLOW_JOB_NAME": "metadata.labels['batch.kubernetes.io/job-name']",
+    "RLHF_FLOW_JOB_UID": "metadata.labels['batch.kubernetes.io/controller-uid']",
+    "RLHF_FLOW_JOB_NAMESPACE": "metadata.namespace",
+}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import secrets
 import time
 from collections import deque
@@ -115,6 +116,17 @@ def _pod_failure(pod, container: str) -> tuple[str | None, int | None, str | Non
     return None, None, None
 
 
+def flow_job_owner(namespace: str, environ: dict | None = None) -> dict | None:
+    """An ``ownerReference`` to the flow-run pod's own Job (``RLHF_FLOW_JOB_*``, set by the work pool's template
+    through the downward API) when the stage runs in the same namespace (owners cannot cross namespaces):
+    deleting the flow-run Job then deletes the stage Job or JobSet with it. None outside such a pod."""
+    env = os.environ if environ is None else environ
+    name, uid = env.get("RLHF_FLOW_JOB_NAME"), env.get("RLHF_FLOW_JOB_UID")
+    if not (name and uid) or env.get("RLHF_FLOW_JOB_NAMESPACE") != namespace:
+        return None
+    return {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": False}
+
+
 def _load_apis(batch_api, core_api):
     from kubernetes import client, config
 
@@ -160,10 +172,13 @@ def submit_stage_job(
                                              "seed_params": seed_params, **render_kw})
     batch_api, core_api = _load_apis(batch_api, core_api)
     start = time.monotonic()
+    owner = flow_job_owner(namespace)
     if opts.as_jobset:  # the JobSet controller creates the Jobs, the pods and their headless Service
         custom_api = custom_api or client.CustomObjectsApi(batch_api.api_client)
         group, version, plural = JOBSET_API
         manifest = render_jobset(opts)
+        if owner:
+            manifest["metadata"]["ownerReferences"] = [owner]
         custom_api.create_namespaced_custom_object(group, version, namespace, plural, manifest)
         emit(f"created jobset {namespace}/{name} for stage {stage!r}")
         pod_template = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
@@ -174,6 +189,8 @@ def submit_stage_job(
     else:
         resources = render_stage_resources(opts)
         manifest = resources[-1]
+        if owner:
+            manifest["metadata"]["ownerReferences"] = [owner]
         created = batch_api.create_namespaced_job(namespace, client.V1Job.from_dict(manifest))
         emit(f"created job {namespace}/{name} for stage {stage!r}")
         if len(resources) == 2:  # headless Service, garbage-collected with the Job

@@ -7,6 +7,7 @@ import copy
 
 from tasks.k8s.names import (
     DEFAULT_CPU_IMAGE,
+    FLOW_JOB_ENV,
     FLOW_RUN_POD_LABELS,
     FLOW_SERVICE_ACCOUNT,
     GPU_RESOURCE,
@@ -74,7 +75,8 @@ def build_work_pool_template(default_template: dict | None = None) -> dict:
     container["command"] = ["/usr/bin/env"]
     container["workingDir"] = WORKSPACE_DIR
     # A hard-coded env list: the worker prepends its own variables (the `env` job variable) to it.
-    container["env"] = [e for e in stage_env(None) if e["name"] != "PREFECT_API_URL"]
+    container["env"] = [e for e in stage_env(None) if e["name"] != "PREFECT_API_URL"] + [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in FLOW_JOB_ENV.items()]
     container["resources"]["requests"][GPU_RESOURCE] = "{{ gpu_count }}"
     container["resources"]["limits"][GPU_RESOURCE] = "{{ gpu_count }}"
     container["securityContext"] = security_context_container()
