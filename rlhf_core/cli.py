@@ -72,13 +72,15 @@ def stage_cmd(
     from rlhf_core import tracking
     from rlhf_core.data.readers import DataError
     from rlhf_core.engine import stop
+    from rlhf_core.locks import LockBusy, stage_lock
     from rlhf_core.progress import StageProgress
 
     if name in CHECKPOINTED_STAGES:
         stop.install(params.compute.stop_grace_s)
 
     try:
-        with tracking.stage_run(name, params, Path(".")) as mlflow_log, StageProgress(name, console) as show:
+        with (stage_lock(params.project.workspace, name), tracking.stage_run(name, params, Path(".")) as mlflow_log,
+              StageProgress(name, console) as show):
 
             def log(metrics: dict, step: int) -> None:
                 show(metrics, step)
@@ -86,6 +88,8 @@ def stage_cmd(
                 inject_fault(name, step)
 
             result = fn(params, Path("."), log)
+    except LockBusy as err:
+        fail(f"stage {name}: {err}", code=exit_codes.BUSY)
     except tracking.TrackingUnavailable as err:
         fail(str(err), code=exit_codes.TRACKING_UNAVAILABLE)
     except tracking.TrackingRefused as err:

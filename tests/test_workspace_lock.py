@@ -54,3 +54,32 @@ def test_rlhf_run_exits_5_while_another_run_holds_the_workspace(tmp_path):
     assert run.returncode == 5, run.stderr[-2000:]
     assert "another `rlhf run` is using this workspace" in run.stderr and str(proc.pid) in run.stderr
     assert time.monotonic() - t0 < 120 and not (tmp_path / "data").exists()  # failed before any stage ran
+
+
+STAGE_HOLD = ("import sys, time; from rlhf_core.locks import stage_lock\n"
+              "with stage_lock(sys.argv[1], 'sft'):\n    print('held', flush=True); time.sleep(60)\n")
+
+
+def test_a_stage_rerun_while_its_previous_process_lives_exits_5_before_writing(tmp_path, monkeypatch):
+    """`rlhf stage sft` while another `rlhf stage sft` process holds the workspace's stage lock: exit 5 naming
+    the holder, nothing written; the other ranks of a torchrun (RANK > 0) do not take the lock."""
+    from rlhf_core.locks import stage_lock
+
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    proc = subprocess.Popen([sys.executable, "-c", STAGE_HOLD, str(tmp_path / ".rlhf")], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "held"
+    try:
+        run = subprocess.run([str(Path(sys.executable).parent / "rlhf"), "stage", "sft"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "RLHF_TRACKING": "off"})
+        monkeypatch.setenv("RANK", "1")
+        with stage_lock(tmp_path / ".rlhf", "sft"):  # a second rank of the holder's own run: no lock taken
+            pass
+    finally:
+        proc.kill()
+        proc.wait()
+    said = " ".join(run.stderr.split())
+    assert run.returncode == 5, run.stderr[-2000:]
+    assert "stage sft is already running on this workspace" in said and f'"pid": {proc.pid}' in said
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "models").exists()

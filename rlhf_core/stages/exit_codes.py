@@ -7,6 +7,8 @@ code   meaning                                                      retried (Pre
 1      crashed: an uncaught exception (OOM, NCCL, a lost file)      yes: the retry resumes from its checkpoint
 2      bad usage or invalid params; the message names the key       no: it fails the same way again
 3      the MLflow tracking server did not answer                    yes
+5      the same stage is already running on this workspace         yes: once that process has ended
+       (``rlhf_core.locks``; the message names its pid and host)
 65     input the stage refuses: data, a model directory, params     no
        that contradict the inputs (``EX_DATAERR``); the message
        names the file, line or key
@@ -28,6 +30,7 @@ DONE = 0
 CRASHED = 1
 BAD_CONFIG = 2
 TRACKING_UNAVAILABLE = 3
+BUSY = 5
 BAD_INPUT = 65
 STOPPED = 75
 
@@ -37,6 +40,7 @@ MEANING: dict[int, str] = {
     CRASHED: "crashed",
     BAD_CONFIG: "bad usage or invalid params",
     TRACKING_UNAVAILABLE: "MLflow unreachable",
+    BUSY: "the stage is already running on this workspace",
     BAD_INPUT: "bad input",
     STOPPED: "stopped on SIGTERM, checkpointed",
 }
