@@ -10,6 +10,7 @@ never leaves a stale lock behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -36,6 +37,11 @@ def exclusive_lock(path: str | Path, what: str, busy: type[LockBusy] = LockBusy)
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
             raise busy(f"{path}: {what} ({holder}); wait for it to finish") from None
+        except OSError as err:  # a filesystem without locks (some network volumes): say so, do not stop the work
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            print(f"{path}: this filesystem does not support locks ({err.strerror}); continuing without the lock",
+                  file=sys.stderr, flush=True)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
