@@ -83,3 +83,27 @@ def test_a_stage_rerun_while_its_previous_process_lives_exits_5_before_writing(t
     assert run.returncode == 5, run.stderr[-2000:]
     assert "stage sft is already running on this workspace" in said and f'"pid": {proc.pid}' in said
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "models").exists()
+
+
+def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    """Some network volumes answer flock with ENOLCK: the work goes on, and stderr says it is unlocked. (No such
+    filesystem here: the kernel's answer is substituted.)"""
+    import errno
+    import fcntl
+
+    from rlhf_core.locks import exclusive_lock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with exclusive_lock(tmp_path / "x.lock", "busy") as path:
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert "does not support locks (No locks available); continuing without the lock" in capsys.readouterr().err
+
+    def broken(fd, op):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(fcntl, "flock", broken)
+    with pytest.raises(OSError, match="I/O error"), exclusive_lock(tmp_path / "y.lock", "busy"):
+        pass
