@@ -89,11 +89,18 @@ def write_rounds_plot(root: Path, ledger: list[dict]) -> None:
 
 
 @flow(name="rlhf-rounds", flow_run_name="rlhf-rounds-{rounds}", log_prints=True)
-def rlhf_rounds(rounds: int = 1, overrides: list[str] | None = None, backend: Literal["local", "kubernetes"] = "local",
-                promote: bool = True,
-                root: str = ".", params_file: str = DEFAULT_PARAMS, retries: int = 2, retry_delay_s: float = 10.0,
-                k8s: StageJobSettings | None = None,
-                k8s_stages: dict[str, StageJobSettings] | None = None) -> list[dict]:
+def rlhf_rounds(
+    rounds: int = 1,
+    overrides: list[str] | None = None,
+    backend: Literal["local", "kubernetes"] = "local",
+    promote: bool = True,
+    root: str = ".",
+    params_file: str = DEFAULT_PARAMS,
+    retries: int = 2,
+    retry_delay_s: float = 10.0,
+    k8s: StageJobSettings | None = None,
+    k8s_stages: dict[str, StageJobSettings] | None = None,
+) -> list[dict]:
     """Run ``rounds`` feedback rounds (after the base pipeline, when it never finished); returns their ledger
     entries. ``overrides`` apply to every round (e.g. ``feedback.label_noise=0.2``)."""
     from flows.pipeline import rlhf_pipeline
