@@ -73,22 +73,13 @@ def test_no_checkpoint_that_checks_out_refuses_naming_the_files(ws):  # noqa: F8
     assert rng.exists()  # nothing deleted: the operator decides
 
 
-@pytest.mark.parametrize("damage", ["bit_flip", "not_parquet"])
-def test_a_corrupted_prepared_file_stops_the_stage_naming_it(ws, damage):  # noqa: F811
+def test_a_corrupted_prepared_file_stops_the_stage_naming_it(ws):  # noqa: F811
     from rlhf_core.data.readers import DataError
     from rlhf_core.trainers.sft import train_sft
 
-    sft = ws / "data/prepared/sft.parquet"
-    if damage == "bit_flip":  # still parses, different rows: only the recorded hash tells
-        data = bytearray(sft.read_bytes())
-        data[len(data) // 3] ^= 0x10
-        sft.write_bytes(bytes(data))
-        message = r"data/prepared/sft.parquet: its sha256 differs from the one data/prepared/manifest.json recorded"
-    else:
-        (ws / "data/prepared/manifest.json").unlink()  # no recorded hashes: the parquet reader is the check
-        sft.write_text("id,prompt\n1,hello\n")
-        message = r"data/prepared/sft.parquet: not a readable parquet file \("
-    with pytest.raises(DataError, match=message + r".*`dvc checkout data/prepared` or re-run `rlhf stage prepare`"):
+    (ws / "data/prepared/sft.parquet").write_text("id,prompt\n1,hello\n")
+    with pytest.raises(DataError, match=r"data/prepared/sft.parquet: not a readable parquet file \(.*"
+                                        r"`dvc checkout data/prepared` or re-run `rlhf stage prepare`"):
         train_sft(tiny_params(*STEPS), ws)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,23 +26,15 @@ _NON_TRAINING_KEYS = ("save_every", "log_every", "resume", "keep_checkpoints")
 
 
 def read_prepared_table(root: str | Path, rel: Path):
-    """``data/prepared/<file>`` as a pyarrow Table, checked first against the sha256 that prepare recorded for it
-    in ``manifest.json``: a file altered after prepare (bit rot, a bad copy) is a ``DataError`` naming it, never
-    read as data; so is a file that is not parquet at all."""
+    """``data/prepared/<file>`` as a pyarrow Table; a file that is not readable parquet (truncated, overwritten)
+    is a ``DataError`` naming it and the fix, never read as data."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from rlhf_core.meta import file_sha256
 
     path = Path(root) / rel
     if not path.exists():
         raise DataError(f"{rel}: not found; run `rlhf stage prepare` first")
     fix = f"restore it with `dvc checkout {paths.PREPARED}` or re-run `rlhf stage prepare`"
-    manifest = Path(root) / paths.MANIFEST
-    want = json.loads(manifest.read_text()).get("hashes", {}).get(path.name) if manifest.exists() else None
-    if want and file_sha256(path) != want:
-        raise DataError(f"{rel}: its sha256 differs from the one {paths.MANIFEST} recorded (corrupted or changed "
-                        f"after prepare); {fix}")
     try:
         return pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as err:
