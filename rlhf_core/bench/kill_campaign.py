@@ -5,7 +5,7 @@ For a stage (``sft``, ``rm``, ``rlhf``) of a base workspace (``data/prepared`` a
 1. the reference: the stage uninterrupted in a copy of the workspace (its wall time ``T``, its final weights);
 2. ``--kills`` times: a fresh copy, the stage started as ``rlhf stage NAME`` in its own process group and killed
    with SIGKILL at a random point: a step drawn uniformly in ``1 .. steps`` (``steps``: in the final evaluation
-   and save), then a delay drawn uniformly within one step's time after the stage logged it
+   and save), then a delay drawn uniformly in 0-0.3 s after the stage logged it
    (inside the forward, backward, optimizer step or checkpoint write; steps are counted, not seconds, so a
    busy machine moves the point less), then
    * what the kill left: the newest step the stage had logged, the checkpoint ``latest`` names, and whether the
@@ -113,7 +113,7 @@ def one_kill(base: Path, out: Path, i: int, stage: str, sets: list[str], threads
     # not before the first step: a kill while DeepSpeed JIT-loads its ops leaves torch's extension build lock
     # behind and every later process waits on it (docs/reliability.md, found by this campaign)
     target = rng.randint(1, reference["steps"])
-    delay = rng.uniform(0.0, reference["seconds"] / max(1, reference["steps"]))
+    delay = rng.uniform(0.0, 0.3)  # within the next step (or the final save) of a small run
     proc = start(run_dir, stage, sets, threads)
     while proc.poll() is None and last_logged_step(run_dir / "run.log", stage) < target:
         time.sleep(0.05)
