@@ -31,10 +31,7 @@ TINY = {
     "tracking": {"system_metrics": False},
 }
 HACK = ["rlhf.reward_fns={rm: 1.0}", "rlhf.ptx_coef=0", "rlhf.kl_coef=0", "rlhf.lr=3e-4", "rlhf.num_steps=40",
-        "gates.min_judge_gain=0.01",
-        # the computation path this hacking trajectory was found with (the speed-ups round differently, and on
-        # this tiny setup that trajectory did not raise the proxy: a new hacking setup is not chosen yet)
-        "rlhf.shared_prefix=false", "rlhf.rollout_logprobs=recompute"]
+        "gates.min_judge_gain=0.01"]
 
 
 def test_over_optimised_actor_is_refused_and_the_champion_stays(tmp_path):
