@@ -1,9 +1,16 @@
 """The gate refuses reward hacking, through the whole flow against a real `mlflow server`.
 
-A tiny demo project: SFT (~64 % held-out accuracy) and an RM. The first run promotes a checker-trained actor
-(v1). The second run over-optimises the *learned* RM on purpose — RM as the only reward, no ptx, no KL,
-a high learning rate — so the proxy (RM score) rises while the judge (the checker's accuracy) falls. The gate
-must fail on the judge with "reward hacking suspected", and the champion must stay v1.
+A tiny demo project: SFT (~58 % held-out accuracy) and an RM. The first run promotes a checker-trained actor
+(v1). The second run over-optimises a *weak* learned RM on purpose — an RM trained one epoch (~68 % on held-out
+pairs), the only reward, no ptx, no KL, a high learning rate — so the proxy (RM score) rises while the judge (the
+checker's accuracy) falls. The gate must fail on the judge with "reward hacking suspected", and the champion must
+stay v1.
+
+Why the weak RM: the 10-epoch RM of the first run (97 % on held-out pairs) is not hackable in 40 steps on
+this task. Measured on this project with the stage alone (`rlhf stage rlhf` with the overrides below): with it,
+the sampled reward rises 0.97 -> 1.74 but the greedy proxy falls (2.39 -> 1.75, and 2.13 after 80 steps, 1.63 at
+lr 1e-3), a loss on both measures rather than hacking. With the one-epoch RM, over three seeds: proxy
+0.33 -> 0.48 / 0.56 / 0.42 while the judge falls 58 % -> 12.5 / 19 / 19 %, KL 1.1-2.1 nats.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ TINY = {
     "gates": {"min_reward_gain": -1000.0, "min_win_rate_vs_champion": 0.0, "max_kl": 1.0e9, "min_judge_gain": -1.0},
     "tracking": {"system_metrics": False},
 }
-HACK = ["rlhf.reward_fns={rm: 1.0}", "rlhf.ptx_coef=0", "rlhf.kl_coef=0", "rlhf.lr=3e-4", "rlhf.num_steps=40",
+HACK = ["rm.epochs=1", "rlhf.reward_fns={rm: 1.0}", "rlhf.ptx_coef=0", "rlhf.kl_coef=0", "rlhf.lr=3e-4", "rlhf.num_steps=40",
         "gates.min_judge_gain=0.01"]
 
 
