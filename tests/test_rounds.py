@@ -1,9 +1,9 @@
 """Continuous RLHF rounds through the real flow, a real `mlflow server` and DVC.
 
-Round 0 (the base pipeline) and round 1 run with ``rlhf run --rounds 1``; round 2's gate is made to fail, so the
-champion stays and round 3 must start from that same champion; round 3 uses the file annotator: its first run
-exports the pairs and stops (the round is left started), the annotators' labels are written, and the next
-``rlhf run --rounds 1`` resumes round 3 rather than starting round 4.
+Round 0 (the base pipeline) and round 1 run with ``rlhf run --rounds 1``. Round 2 uses the file annotator and a
+gate made to fail: its first run exports the pairs and stops (the round is left started); the annotators' labels
+are written and the next ``rlhf run --rounds 1`` resumes round 2 rather than starting round 3; its gate fails, so
+the champion stays (a later round starts from the ``champion`` alias again: round 2 itself started from it).
 """
 
 from __future__ import annotations
@@ -69,28 +69,23 @@ def test_rounds_gate_resume_and_the_file_annotator(tmp_path):
         assert tagged and "round.judge_accuracy" in tagged[0].data.metrics
         champion = client.get_model_version_by_alias("rlhf-demo-actor", "champion").version
 
-        failing = rlhf_run(project, uri, "--rounds", "1", "-S", "gates.min_judge_gain=1.0")
-        assert failing.returncode == 0, failing.stdout[-3000:] + failing.stderr[-6000:]
-        assert _ledger(project)[2]["gate_passed"] is False
-        assert client.get_model_version_by_alias("rlhf-demo-actor", "champion").version == champion
-
-        labels = project / "data/feedback/round_3/labels.jsonl"
-        waiting = rlhf_run(project, uri, "--rounds", "1", "-S", "gates.min_judge_gain=-1.0",
-                           "-S", "feedback.annotator=file")
+        labels = project / "data/feedback/round_2/labels.jsonl"
+        refuse = ("-S", "gates.min_judge_gain=1.0", "-S", "feedback.annotator=file")
+        waiting = rlhf_run(project, uri, "--rounds", "1", *refuse)
         said = " ".join((waiting.stdout + waiting.stderr).split())  # the console wraps long lines
-        assert waiting.returncode == 1 and "waiting for their labels in data/feedback/round_3/labels.jsonl" in said
-        assert _ledger(project)[3]["status"] == "started"
-        pairs = [json.loads(line) for line in (project / "data/feedback/round_3/pairs.jsonl").read_text().splitlines()]
+        assert waiting.returncode == 1 and "waiting for their labels in data/feedback/round_2/labels.jsonl" in said
+        assert _ledger(project)[2]["status"] == "started"
+        pairs = [json.loads(line) for line in (project / "data/feedback/round_2/pairs.jsonl").read_text().splitlines()]
         # the annotators prefer the first answer, except one pair they call a tie
         labels.write_text("".join(json.dumps({"pair_id": p["pair_id"], "choice": "tie" if i == 0 else "a"}) + "\n"
                                   for i, p in enumerate(pairs)))
-        resumed = rlhf_run(project, uri, "--rounds", "1", "-S", "feedback.annotator=file")
+        resumed = rlhf_run(project, uri, "--rounds", "1", *refuse)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
         ledger = _ledger(project)
-        assert sorted(ledger) == [0, 1, 2, 3] and ledger[3]["status"] == "finished"
-        m3 = json.loads((project / "data/feedback/round_3/manifest.json").read_text())
+        assert sorted(ledger) == [0, 1, 2] and ledger[2]["status"] == "finished"
+        assert ledger[2]["gate_passed"] is False
+        assert client.get_model_version_by_alias("rlhf-demo-actor", "champion").version == champion
         m2 = json.loads((project / "data/feedback/round_2/manifest.json").read_text())
-        assert m3["policy"] == f"models:/rlhf-demo-actor/{champion}" == m2["policy"]  # round 2 was refused
-        assert m3["start"]["actor"] == m2["start"]["actor"]
-        assert m3["counts"]["labelled"] == len(pairs) - 1 and m3["counts"]["dropped_tie"] == 1
-        assert len(_plot_rows(project)) == 4
+        assert m2["policy"] == f"models:/rlhf-demo-actor/{champion}"
+        assert m2["counts"]["labelled"] == len(pairs) - 1 and m2["counts"]["dropped_tie"] == 1
+        assert len(_plot_rows(project)) == 3
