@@ -4,10 +4,11 @@ For a stage (``sft``, ``rm``, ``rlhf``) of a base workspace (``data/prepared`` a
 
 1. the reference: the stage uninterrupted in a copy of the workspace (its wall time ``T``, its final weights);
 2. ``--kills`` times: a fresh copy, the stage started as ``rlhf stage NAME`` in its own process group and killed
-   with SIGKILL at a random point: a step drawn uniformly in ``1 .. steps`` (``steps``: in the final evaluation
-   and save), then a delay drawn uniformly in 0-0.3 s after the stage logged it
-   (inside the forward, backward, optimizer step or checkpoint write; steps are counted, not seconds, so a
-   busy machine moves the point less), then
+   with SIGKILL at a random point: a step drawn uniformly in ``0 .. steps``; for step 0 a moment drawn
+   uniformly in the reference's start-up (imports, DeepSpeed loading its compiled ops, model loading: the time
+   to its first logged step), else a delay drawn uniformly in 0-0.3 s after the stage logged that step (inside
+   the forward, backward, optimizer step or checkpoint write; at ``steps``: in the final evaluation and save;
+   steps are counted, not seconds, so a busy machine moves the point less), then
    * what the kill left: the newest step the stage had logged, the checkpoint ``latest`` names, and whether the
      model directory is absent or whole (a half-written model directory would be a defect),
    * the re-run to the end: the step it resumed from, the steps lost (logged before the kill, not in the
@@ -99,10 +100,16 @@ def run_reference(base: Path, out: Path, stage: str, sets: list[str], threads: i
     ref = out / "reference"
     fresh_copy(base, ref, stage)
     t0 = time.perf_counter()
-    rc = start(ref, stage, sets, threads).wait()
-    if rc != 0:
-        raise SystemExit(f"the uninterrupted run failed (exit {rc}); see {ref / 'run.log'}")
-    return {"seconds": time.perf_counter() - t0, "weights": weights_hash(ref / MODEL_DIR[stage]),
+    proc = start(ref, stage, sets, threads)
+    startup = None
+    while proc.poll() is None:
+        if startup is None and last_logged_step(ref / "run.log", stage) >= 1:
+            startup = time.perf_counter() - t0  # imports, compiled ops, model loading: the step-0 kill window
+        time.sleep(0.05)
+    if proc.returncode != 0:
+        raise SystemExit(f"the uninterrupted run failed (exit {proc.returncode}); see {ref / 'run.log'}")
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "startup_s": startup or seconds, "weights": weights_hash(ref / MODEL_DIR[stage]),
             "steps": finished_metrics(ref, stage)["steps"]}
 
 
@@ -110,12 +117,12 @@ def one_kill(base: Path, out: Path, i: int, stage: str, sets: list[str], threads
              rng: random.Random) -> dict:
     run_dir = out / f"kill_{i:03d}"
     fresh_copy(base, run_dir, stage)
-    # not before the first step: a kill while DeepSpeed JIT-loads its ops leaves torch's extension build lock
-    # behind and every later process waits on it (docs/reliability.md, found by this campaign)
-    target = rng.randint(1, reference["steps"])
-    delay = rng.uniform(0.0, 0.3)  # within the next step (or the final save) of a small run
+    # step 0: during start-up (imports, DeepSpeed loading its compiled ops, model loading), a random moment
+    # within the uninterrupted run's time to its first logged step
+    target = rng.randint(0, reference["steps"])
+    delay = rng.uniform(0.0, reference["startup_s"]) if target == 0 else rng.uniform(0.0, 0.3)  # else within a step
     proc = start(run_dir, stage, sets, threads)
-    while proc.poll() is None and last_logged_step(run_dir / "run.log", stage) < target:
+    while target and proc.poll() is None and last_logged_step(run_dir / "run.log", stage) < target:
         time.sleep(0.05)
     try:
         proc.wait(timeout=delay)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf_core.engine.jit_ops import op_build_guard
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -50,9 +52,11 @@ def init_distributed() -> None:
         # subprocesses this process starts (e.g. torchrun) do not inherit a stale rendezvous.
         os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it
         dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False, verbose=False)
+        with op_build_guard():  # DeepSpeed JIT-loads its CPU shared-memory op here
+            deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False, verbose=False)
         return
-    deepspeed.init_distributed(dist_backend=backend(), verbose=False)
+    with op_build_guard():
+        deepspeed.init_distributed(dist_backend=backend(), verbose=False)
 
 
 def rank() -> int:

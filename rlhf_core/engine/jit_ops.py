@@ -1,0 +1,107 @@
+"""Build locks of JIT-compiled ops that a killed process left behind.
+
+torch's extension loader (``torch.utils.cpp_extension.load``; DeepSpeed uses it for every op it did not
+prebuild: the CPU shared-memory collectives that ``deepspeed.init_distributed`` loads on CPU, CPU Adam, ...)
+creates ``<extensions dir>/<op>/lock`` with ``O_EXCL`` before it builds or loads the op and removes it after;
+every other loader waits while that file exists, without a limit. A process killed in between (SIGKILL, the OOM
+killer, a node drain) leaves it behind, and every later stage on that machine waits forever.
+
+Our processes load ops inside ``op_build_guard``: an ``flock`` on ``<extensions dir>/.rlhf-ops.lock``, so the
+holder knows that no other rlhf-ops process is inside torch's lock. A ``lock`` it still finds is then either
+stale or held by a process outside rlhf-ops (another project sharing ``~/.cache/torch_extensions``). torch's
+holder keeps the file open until it removes it, so: when ``/proc`` shows that no process has it open, it is
+stale and removed at once; when a process has it open, the guard waits for it; when ``/proc`` cannot tell (no
+``/proc``, or a process of the lock owner's user whose descriptors it may not read), the guard waits until the
+file is ``stale_after_s`` old (longer than a build) and then removes it. Each removal is named on stderr. The
+kernel drops an ``flock`` with its process, so the guard itself never goes stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+STALE_AFTER_S = 180.0
+GUARD_FILE = ".rlhf-ops.lock"
+
+
+def extensions_root() -> Path:
+    """The directory torch builds JIT ops in (``TORCH_EXTENSIONS_DIR``, else the per-Python/CUDA cache folder)."""
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own rule; the public API has none
+
+    return Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent
+
+
+def open_by_a_process(path: Path, proc: Path = Path("/proc")) -> bool | None:
+    """Whether some process has ``path`` open (its ``/proc/<pid>/fd`` links); None when that cannot be told: no
+    ``/proc``, or a process of the file owner's user whose descriptors cannot be read (only such a process could
+    have created the lock)."""
+    if not (proc / "self" / "fd").is_dir():
+        return None
+    target, owner, unsure = os.path.realpath(path), path.stat().st_uid, False
+    for fd_dir in proc.glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd) == target:
+                    return True
+        except FileNotFoundError:  # the process ended meanwhile
+            continue
+        except PermissionError:
+            with contextlib.suppress(OSError):
+                unsure = unsure or fd_dir.parent.stat().st_uid == owner
+    return None if unsure else False
+
+
+def clear_stale_build_locks(root: Path, stale_after_s: float = STALE_AFTER_S, poll_s: float = 1.0,
+                            proc: Path = Path("/proc")) -> list[Path]:
+    """Wait for each ``root/*/lock`` to go away; remove one that no process has open, or (when that cannot be
+    told) one ``stale_after_s`` old. Returns those removed.
+
+    Call only while holding the guard: then no rlhf-ops process is inside these locks."""
+    removed = []
+    for lock in sorted(root.glob("*/lock")):
+        said = False
+        while True:
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:
+                break
+            held = open_by_a_process(lock, proc)
+            if held is False or (held is None and age >= stale_after_s):
+                lock.unlink(missing_ok=True)
+                removed.append(lock)
+                why = "no process has it open" if held is False else f"untouched for {age:.0f} s"
+                print(f"{lock}: removed a build lock left by a process killed while it loaded a compiled op "
+                      f"({why})", file=sys.stderr, flush=True)
+                break
+            if not said:
+                print(f"{lock}: waiting for another process to finish building this op", file=sys.stderr,
+                      flush=True)
+                said = True
+            time.sleep(poll_s)
+    return removed
+
+
+@contextlib.contextmanager
+def op_build_guard(root: Path | None = None, stale_after_s: float = STALE_AFTER_S) -> Iterator[None]:
+    """Hold the rlhf-ops build guard (waiting for it) with stale torch build locks cleared; load ops inside."""
+    root = extensions_root() if root is None else Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / GUARD_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:  # no flock on this filesystem: another of ours may be building; leave locks be
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        else:
+            clear_stale_build_locks(root, stale_after_s)
+        yield
+    finally:
+        os.close(fd)
