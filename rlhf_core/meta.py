@@ -10,6 +10,8 @@ from importlib import metadata
 from pathlib import Path
 
 from rlhf_core.atomic import write_json_atomic
+from rlhf_core.integrity import MODEL_MANIFEST
+from rlhf_core.integrity import sha256_file as file_sha256
 
 META_FILE = "rlhf_meta.json"
 _PACKAGES = ("rlhf-ops", "torch", "transformers", "deepspeed", "datasets", "peft", "tokenizers")
@@ -50,19 +52,12 @@ def versions() -> dict[str, str]:
     return found
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def dir_sha256(path: str | Path) -> str:
-    """Content hash of a directory: sha256 over sorted (relative path, file sha256), skipping ``rlhf_meta.json``."""
+    """Content hash of a directory: sha256 over sorted (relative path, file sha256), skipping ``rlhf_meta.json``
+    (it holds times) and the manifest (derived from the files, meta included)."""
     root = Path(path)
     h = hashlib.sha256()
-    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.name != META_FILE):
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.name not in (META_FILE, MODEL_MANIFEST)):
         h.update(f.relative_to(root).as_posix().encode())
         h.update(file_sha256(f).encode())
     return h.hexdigest()

@@ -3,7 +3,8 @@
 Checkpoints: a real SFT run on the tiny demo saves checkpoints with manifests; a bit flip, a truncation or a
 `latest` naming a missing step makes the resume fall back to the newest checkpoint that checks out (ending with
 the uninterrupted run's weights), or refuse. Prepared data: a parquet file altered after prepare, or not parquet
-at all, stops the stage naming it."""
+at all, stops the stage naming it. Model directories: one damaged after its stage wrote it (a flipped bit, a
+truncated or missing file) is refused at load, naming the file."""
 
 from __future__ import annotations
 
@@ -81,6 +82,39 @@ def test_a_corrupted_prepared_file_stops_the_stage_naming_it(ws):  # noqa: F811
     with pytest.raises(DataError, match=r"data/prepared/sft.parquet: not a readable parquet file \(.*"
                                         r"`dvc checkout data/prepared` or re-run `rlhf stage prepare`"):
         train_sft(tiny_params(*STEPS), ws)
+
+
+def test_a_damaged_model_directory_is_refused_at_load_naming_the_file(ws):  # noqa: F811
+    from rlhf_core.integrity import MODEL_MANIFEST, CorruptModelError
+    from rlhf_core.models.loading import load_causal_lm
+
+    _run(ws, "sft.save_every=0")
+    sft = ws / "models/sft"
+    files = json.loads((sft / MODEL_MANIFEST).read_text())["files"]
+    assert {"model.safetensors", "config.json", "tokenizer.json", "rlhf_meta.json", "README.md"} <= set(files)
+    load_causal_lm(sft)  # as written: loads
+
+    weights = sft / "model.safetensors"
+    pristine = weights.read_bytes()
+    data = bytearray(pristine)
+    data[-100] ^= 0x01  # a flipped bit inside a tensor: safetensors itself would load it
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CorruptModelError, match=rf"{weights}: sha256 differs from the manifest \(corrupted\); the "
+                                                rf"model in {sft} is damaged and was not loaded: restore it "
+                                                rf"\(`dvc checkout {sft}`\) or re-run the stage that wrote it"):
+        load_causal_lm(sft)
+    weights.write_bytes(pristine[:1000])  # truncated (an interrupted copy)
+    with pytest.raises(CorruptModelError, match=rf"{weights}: 1000 bytes, the manifest says {len(pristine)}"):
+        load_causal_lm(sft)
+    weights.write_bytes(pristine)
+    (sft / "tokenizer.json").unlink()  # a file lost
+    with pytest.raises(CorruptModelError, match=rf"{sft / 'tokenizer.json'}: missing"):
+        load_causal_lm(sft)
+    # the next stage refuses it the same way, before training (the CLI maps this to exit 65)
+    from rlhf_core.trainers.rm import train_rm
+
+    with pytest.raises(CorruptModelError, match=r"tokenizer.json: missing"):
+        train_rm(tiny_params("rm.max_steps=2"), ws)
 
 
 DISK_FULL_RUN = """

@@ -37,8 +37,8 @@ TINY = {
     "gates": {"min_reward_gain": -1000.0, "min_win_rate_vs_champion": 0.0, "max_kl": 1.0e9, "min_judge_gain": -1.0},
     "tracking": {"system_metrics": False},
 }
-HACK = ["rm.epochs=1", "rlhf.reward_fns={rm: 1.0}", "rlhf.ptx_coef=0", "rlhf.kl_coef=0", "rlhf.lr=3e-4", "rlhf.num_steps=40",
-        "gates.min_judge_gain=0.01"]
+HACK = ["rm.epochs=1", "rlhf.reward_fns={rm: 1.0}", "rlhf.ptx_coef=0", "rlhf.kl_coef=0", "rlhf.lr=3e-4",
+        "rlhf.num_steps=40", "gates.min_judge_gain=0.01"]
 
 
 def test_over_optimised_actor_is_refused_and_the_champion_stays(tmp_path):

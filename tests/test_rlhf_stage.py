@@ -21,6 +21,7 @@ import torch
 
 from rlhf_core.config import ConfigError
 from rlhf_core.engine.errors import TrainingInputError
+from rlhf_core.integrity import MODEL_MANIFEST
 from tests.conftest import REPO, make_params
 
 TINY = ["model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2",
@@ -223,7 +224,7 @@ def test_rm_with_another_tokenizer_is_retokenised_or_refused(ws):
     from rlhf_core.data.tokenizer import train_demo_tokenizer
 
     other = train_demo_tokenizer(["Human: What is 1 + 2?\n\nAssistant: 3"] * 20, vocab_size=40)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
+    for f in ("tokenizer.json", "tokenizer_config.json", MODEL_MANIFEST):  # edited on purpose: loaded unchecked
         (ws / "models/rm" / f).unlink(missing_ok=True)
     other.save_pretrained(ws / "models/rm")
     with pytest.raises(ValueError, match=r"different tokenizer than the actor"):
@@ -269,6 +270,7 @@ def test_dropout_is_off_so_the_first_ratio_is_one(ws):
     cfg = AutoConfig.from_pretrained(ws / "models/sft")
     cfg.attention_dropout = 0.3
     cfg.save_pretrained(ws / "models/sft")
+    (ws / "models/sft" / MODEL_MANIFEST).unlink(missing_ok=True)  # edited on purpose: loaded unchecked
     tr = _trainer(ws, "compute.lora.enabled=true", "compute.lora.r=4", "compute.lora.dropout=0.5",
                   "rlhf.algorithm=grpo")
     model = tr.actor.module

@@ -22,7 +22,6 @@ step that is gone falls back the same way. A checkpoint written before manifests
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import random
 import shutil
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlhf_core import integrity
 from rlhf_core.atomic import write_json_atomic, write_text_atomic
 from rlhf_core.engine import distributed as D
 
@@ -53,44 +53,17 @@ class CheckpointSaveError(OSError):
 
 def write_manifest(tag_dir: Path) -> None:
     """``manifest.json``: size and sha256 of every file under ``tag_dir`` (itself excluded)."""
-    files = {}
-    for path in sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-        files[str(path.relative_to(tag_dir))] = {"size": path.stat().st_size, "sha256": h.hexdigest()}
-    write_json_atomic(tag_dir / MANIFEST, {"files": files})
+    integrity.write_manifest(tag_dir, MANIFEST)
 
 
 def verify_checkpoint(tag_dir: Path) -> str | None:
-    """None when ``tag_dir`` is a complete checkpoint whose files match its manifest, else what is wrong, naming
-    the file. Sizes are compared first (a truncated file costs no hashing)."""
+    """None when ``tag_dir`` is a complete checkpoint whose files match its manifest (or one written before
+    manifests existed), else what is wrong, naming the file."""
     if not tag_dir.is_dir():
         return f"{tag_dir}: missing"
     if not (tag_dir / TRAINER_STATE).exists():
         return f"{tag_dir / TRAINER_STATE}: missing (an incomplete save)"
-    manifest = tag_dir / MANIFEST
-    if not manifest.exists():
-        return None  # written before manifests existed
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as err:
-        return f"{manifest}: unreadable ({err})"
-    for rel, want in files.items():
-        path = tag_dir / rel
-        if not path.is_file():
-            return f"{path}: missing"
-        if path.stat().st_size != want["size"]:
-            return f"{path}: {path.stat().st_size} bytes, the manifest says {want['size']} (truncated or altered)"
-    for rel, want in files.items():
-        h = hashlib.sha256()
-        with open(tag_dir / rel, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-        if h.hexdigest() != want["sha256"]:
-            return f"{tag_dir / rel}: sha256 differs from the manifest (corrupted)"
-    return None
+    return integrity.check_manifest(tag_dir, MANIFEST)
 
 
 def rng_state() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core import paths
+from rlhf_core.integrity import verify_model_dir
 from rlhf_core.config import ComputeConfig, LoraConfig, Params
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.models.value_head import ValueHeadModel
@@ -210,10 +211,12 @@ def save_value_model(model: ValueHeadModel, directory: str | Path, merge_lora: b
 
 def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype | None = None,
                    attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A saved policy (``models/sft``, later ``models/actor``), with an unmerged adapter re-applied and merged."""
+    """A saved policy (``models/sft``, later ``models/actor``), with an unmerged adapter re-applied and merged;
+    a directory a stage sealed is checked against its manifest first (``CorruptModelError`` names the file)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    verify_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, trust_remote_code=trust_remote_code,
                                                  attn_implementation=attn_implementation,
                                                  **({"dtype": dtype} if dtype is not None else {}))

@@ -113,11 +113,15 @@ class ValueHeadModel(nn.Module):
     def from_pretrained(cls, path: str | Path, *, trust_remote_code: bool = False, attn_implementation: str = "sdpa",
                         dtype: torch.dtype | None = None, require_head: bool = False) -> ValueHeadModel:
         """Load a saved ValueHeadModel; a plain HF model directory (e.g. the SFT model) gets a fresh head
-        unless ``require_head``.  Weights are read from safetensors only."""
+        unless ``require_head``.  Weights are read from safetensors only, after a sealed directory was checked
+        against its manifest (``CorruptModelError`` names the file)."""
         from safetensors.torch import load_file
         from transformers import AutoModel
 
+        from rlhf_core.integrity import verify_model_dir
+
         path = Path(path)
+        verify_model_dir(path)
         backbone = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=trust_remote_code,
                                              attn_implementation=attn_implementation,
                                              **({"dtype": dtype} if dtype is not None else {}))

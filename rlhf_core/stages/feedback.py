@@ -36,6 +36,7 @@ from rlhf_core.atomic import atomic_dir, write_json_atomic, write_text_atomic
 from rlhf_core.config import Params
 from rlhf_core.data.feedback import checker_choices, draw_pairs, labelled_rows, read_labels
 from rlhf_core.data.readers import DataError
+from rlhf_core.integrity import seal_model_dir
 from rlhf_core.meta import dir_sha256, write_meta
 
 START = "start"
@@ -124,6 +125,7 @@ def snapshot_start(params: Params, root: Path, n: int) -> None:
                 model.save_pretrained(tmp)
                 tok.save_pretrained(tmp)
                 write_meta(tmp, {"stage": "feedback", "role": "round start actor", "round": n, "source": uri})
+                seal_model_dir(Path(tmp))
         else:
             src = root / paths.ACTOR_MODEL
             if not (src / "config.json").exists():
@@ -132,6 +134,7 @@ def snapshot_start(params: Params, root: Path, n: int) -> None:
             copy_dir_atomic(src, actor)
             meta = json.loads((actor / "rlhf_meta.json").read_text()) if (actor / "rlhf_meta.json").exists() else {}
             write_meta(actor, {**meta, "source": str(paths.ACTOR_MODEL)})
+            seal_model_dir(actor)  # its meta changed
     rm = start_dir(root, n, "rm")
     if params.feedback.rm_init == "previous" and not (rm / "config.json").exists():
         src = root / paths.RM_MODEL

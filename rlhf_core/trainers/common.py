@@ -18,6 +18,7 @@ from rlhf_core.engine.checkpoint import CheckpointManager
 from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.engine.sampler import StepPlan
+from rlhf_core.integrity import seal_model_dir
 from rlhf_core.meta import build_meta, dir_sha256, file_sha256, write_meta
 from rlhf_core.model_card import CARD_FILE, render_model_card
 
@@ -110,8 +111,8 @@ def write_curve(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
 def save_final(engine: TrainEngine, target: Path, save_fn: Callable, tokenizer, meta: dict,
                card: str | None = None) -> None:
     """All ranks: gather the model; rank 0 writes model + tokenizer + ``rlhf_meta.json`` (+ the model card
-    ``README.md``) into a temp dir next to ``target`` and renames it into place (a crash never leaves a
-    half-written model)."""
+    ``README.md``) and, last, its manifest ``rlhf_manifest.json`` into a temp dir next to ``target`` and renames
+    it into place (a crash never leaves a half-written model; a later loss of a file is named at load)."""
     tmp = D.broadcast_object(str(make_temp_dir(target)) if D.is_main() else None)
     try:
         engine.save_model(tmp, save_fn)
@@ -120,6 +121,7 @@ def save_final(engine: TrainEngine, target: Path, save_fn: Callable, tokenizer, 
             write_meta(tmp, meta)
             if card is not None:
                 write_text_atomic(Path(tmp) / CARD_FILE, card)
+            seal_model_dir(Path(tmp))
             commit_dir(tmp, target)
     finally:
         if D.is_main() and Path(tmp).exists():

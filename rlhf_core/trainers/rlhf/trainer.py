@@ -434,6 +434,7 @@ class RLHFTrainer:
 
     def _save_plain(self, model, target: Path, meta: dict, card: str) -> None:
         from rlhf_core.atomic import atomic_dir, write_text_atomic
+        from rlhf_core.integrity import seal_model_dir
         from rlhf_core.meta import write_meta
         from rlhf_core.model_card import CARD_FILE
         from rlhf_core.models.loading import save_causal_lm
@@ -443,6 +444,7 @@ class RLHFTrainer:
             self.tokenizer.save_pretrained(tmp)
             write_meta(tmp, meta)
             write_text_atomic(Path(tmp) / CARD_FILE, card)
+            seal_model_dir(Path(tmp))
 
 
 def train_rlhf(params: Params, root: str | Path = ".", log: LogFn | None = None,
