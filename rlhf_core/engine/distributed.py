@@ -52,11 +52,21 @@ def init_distributed() -> None:
         # subprocesses this process starts (e.g. torchrun) do not inherit a stale rendezvous.
         os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it
         dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        with op_build_guard():  # DeepSpeed JIT-loads its CPU shared-memory op here
-            deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False, verbose=False)
+        load_comm_ops()
+        deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False, verbose=False)
         return
+    load_comm_ops()
+    deepspeed.init_distributed(dist_backend=backend(), verbose=False)
+
+
+def load_comm_ops() -> None:
+    """Load the compiled op ``deepspeed.init_distributed`` loads (the CPU shared-memory collectives) under the
+    build-lock guard; DeepSpeed keeps it, so ``init_distributed`` does not load it again. The guard must not
+    span a collective (the rendezvous): a rank holding it would wait for ranks that wait for it."""
     with op_build_guard():
-        deepspeed.init_distributed(dist_backend=backend(), verbose=False)
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()
 
 
 def rank() -> int:

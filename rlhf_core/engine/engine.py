@@ -59,13 +59,13 @@ class TrainEngine:
         groups = param_groups(model, optim.weight_decay)
         if not groups:
             raise ValueError("the model has no trainable parameters")
-        with op_build_guard():  # the optimizer and the engine may JIT-load ops (CPU Adam, ...)
+        with op_build_guard():  # the optimizer may JIT-load an op (CPU Adam); no collective in here
             optimizer = make_optimizer(groups, optim, compute)
-            schedule = WarmupDecay(optim.warmup_steps, total_steps, optim.lr_scheduler, optim.min_lr_ratio)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-            self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
-                dist_init_required=False)
+        schedule = WarmupDecay(optim.warmup_steps, total_steps, optim.lr_scheduler, optim.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+            dist_init_required=False)
         if D.world_size() == 1 and compute.zero_stage == 0:
             self.ds.enable_backward_allreduce = False  # nothing to reduce; skips flattening every gradient
         self._trainable = [p for p in self.ds.module.parameters() if p.requires_grad]

@@ -6,7 +6,8 @@ creates ``<extensions dir>/<op>/lock`` with ``O_EXCL`` before it builds or loads
 every other loader waits while that file exists, without a limit. A process killed in between (SIGKILL, the OOM
 killer, a node drain) leaves it behind, and every later stage on that machine waits forever.
 
-Our processes load ops inside ``op_build_guard``: an ``flock`` on ``<extensions dir>/.rlhf-ops.lock``, so the
+Our processes load ops inside ``op_build_guard`` (never around a collective: a rank holding it would wait for
+the ranks waiting for it): an ``flock`` on ``<extensions dir>/.rlhf-ops.lock``, so the
 holder knows that no other rlhf-ops process is inside torch's lock. A ``lock`` it still finds is then either
 stale or held by a process outside rlhf-ops (another project sharing ``~/.cache/torch_extensions``). torch's
 holder keeps the file open until it removes it, so: when ``/proc`` shows that no process has it open, it is
