@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from rlhf_core.engine.jit_ops import clear_stale_build_locks, extensions_root, open_by_a_process
+from rlhf_core.engine.jit_ops import clear_stale_build_locks, extensions_root, open_by_a_process, use_one_ninja
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,3 +90,17 @@ def test_init_distributed_goes_on_past_a_lock_a_killed_process_left():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 1" in proc.stdout
     assert f"{lock}: removed a build lock" in proc.stderr
+
+
+def test_ops_are_built_with_the_ninja_beside_this_python(monkeypatch):
+    """A system ninja (1.11) and the wheel's (1.13) hash the build log differently: alternating between them
+    rebuilt the op every time. Whatever PATH a stage starts with, the wheel's ninja is found first."""
+    import shutil
+
+    venv_bin = Path(sys.executable).parent
+    assert (venv_bin / "ninja").exists(), "the ninja wheel comes with deepspeed (constraints.txt pins it)"
+    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")  # a stage started without the venv on PATH
+    use_one_ninja()
+    assert shutil.which("ninja") == str(venv_bin / "ninja")
+    use_one_ninja()  # idempotent
+    assert os.environ["PATH"].split(os.pathsep).count(str(venv_bin)) == 1

@@ -89,9 +89,23 @@ def clear_stale_build_locks(root: Path, stale_after_s: float = STALE_AFTER_S, po
     return removed
 
 
+def use_one_ninja() -> None:
+    """Build with the ninja installed beside this Python (the ``ninja`` wheel), whatever ``PATH`` says. ninja
+    1.13 hashes commands in its build log differently from 1.11, so processes alternating between a system
+    ninja and the wheel's rebuild the op every time they alternate (found in CI: the CPU comm op rebuilt six
+    times in one test run, ~35 s each; a stage started by hand and one started by the flow alternate the same
+    way)."""
+    here = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if (here / "ninja").exists() and path.split(os.pathsep)[0] != str(here):
+        os.environ["PATH"] = f"{here}{os.pathsep}{path}"
+
+
 @contextlib.contextmanager
 def op_build_guard(root: Path | None = None, stale_after_s: float = STALE_AFTER_S) -> Iterator[None]:
-    """Hold the rlhf-ops build guard (waiting for it) with stale torch build locks cleared; load ops inside."""
+    """Hold the rlhf-ops build guard (waiting for it) with stale torch build locks cleared and one ninja on
+    ``PATH``; load ops inside."""
+    use_one_ninja()
     root = extensions_root() if root is None else Path(root)
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / GUARD_FILE, os.O_RDWR | os.O_CREAT, 0o644)
