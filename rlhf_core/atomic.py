@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -78,9 +78,11 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def copy_dir_atomic(src: str | Path, target: str | Path) -> None:
-    """``target`` becomes a copy of ``src`` (atomically, as ``atomic_dir``). Files are hard-linked where the
-    filesystem allows: free for model weights, and safe because every writer here replaces files by rename
-    rather than writing into them."""
+def copy_dir_atomic(src: str | Path, target: str | Path, finish: Callable[[Path], None] | None = None) -> None:
+    """``target`` becomes a copy of ``src`` (atomically, as ``atomic_dir``), after ``finish(copy)`` edited the
+    copy where given. Files are hard-linked where the filesystem allows: free for model weights, and safe because
+    every writer here replaces files by rename rather than writing into them."""
     with atomic_dir(target) as tmp:
         shutil.copytree(src, tmp, copy_function=_link_or_copy, dirs_exist_ok=True)
+        if finish is not None:
+            finish(tmp)

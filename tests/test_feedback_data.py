@@ -100,3 +100,35 @@ def test_replay_takes_the_share_without_replacement_reproducibly():
     assert len(picked) == 216 and len(set(picked)) == 216 and all(0 <= i < 2160 for i in picked)
     assert picked == replay_indices(2160, 0.1, seed=3) and picked != replay_indices(2160, 0.1, seed=4)
     assert replay_indices(10, 0.0, 1) == [] and replay_indices(10, 1.0, 1) == list(range(10))
+
+
+def test_the_workspace_actor_is_snapshotted_sealed_with_its_source_named(tmp_path):
+    """feedback.policy: workspace copies models/actor under the round with its meta naming the source; the
+    copy is edited and sealed before it is renamed into place, so it loads checked and the source is untouched."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_core import paths
+    from rlhf_core.integrity import MODEL_MANIFEST, seal_model_dir, verify_model_dir
+    from rlhf_core.meta import write_meta
+    from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.stages.feedback import snapshot_start, start_dir
+    from tests.conftest import make_params
+
+    src = tmp_path / paths.ACTOR_MODEL
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(src)
+    write_meta(src, {"stage": "rlhf"})
+    seal_model_dir(src)
+    source_manifest = (src / MODEL_MANIFEST).read_text()
+
+    snapshot_start(make_params("feedback.policy=workspace", "feedback.rm_init=sft"), tmp_path, 1)
+    actor = start_dir(tmp_path, 1, "actor")
+    meta = json.loads((actor / "rlhf_meta.json").read_text())
+    assert meta["stage"] == "rlhf" and meta["source"] == str(paths.ACTOR_MODEL)
+    verify_model_dir(actor)  # the manifest covers the edited meta
+    load_causal_lm(actor)
+    assert (src / MODEL_MANIFEST).read_text() == source_manifest and "source" not in json.loads(
+        (src / "rlhf_meta.json").read_text())
+    assert not list(actor.parent.glob(".*tmp*"))  # no temp copy left beside it

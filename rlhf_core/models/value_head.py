@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rlhf_core.algos import gather_last
+from rlhf_core.integrity import verify_model_dir
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -117,8 +118,6 @@ class ValueHeadModel(nn.Module):
         against its manifest (``CorruptModelError`` names the file)."""
         from safetensors.torch import load_file
         from transformers import AutoModel
-
-        from rlhf_core.integrity import verify_model_dir
 
         path = Path(path)
         verify_model_dir(path)

@@ -131,10 +131,12 @@ def snapshot_start(params: Params, root: Path, n: int) -> None:
             if not (src / "config.json").exists():
                 raise DataError(f"{paths.ACTOR_MODEL}: no actor to continue from (feedback.policy: workspace); "
                                 "run the base pipeline first")
-            copy_dir_atomic(src, actor)
-            meta = json.loads((actor / "rlhf_meta.json").read_text()) if (actor / "rlhf_meta.json").exists() else {}
-            write_meta(actor, {**meta, "source": str(paths.ACTOR_MODEL)})
-            seal_model_dir(actor)  # its meta changed
+            def name_source(copy: Path) -> None:  # inside the copy, before it is renamed into place
+                meta = json.loads((copy / "rlhf_meta.json").read_text()) if (copy / "rlhf_meta.json").exists() else {}
+                write_meta(copy, {**meta, "source": str(paths.ACTOR_MODEL)})
+                seal_model_dir(copy)  # its meta changed
+
+            copy_dir_atomic(src, actor, name_source)
     rm = start_dir(root, n, "rm")
     if params.feedback.rm_init == "previous" and not (rm / "config.json").exists():
         src = root / paths.RM_MODEL
