@@ -84,6 +84,40 @@ def test_a_corrupted_prepared_file_stops_the_stage_naming_it(ws):  # noqa: F811
         train_sft(tiny_params(*STEPS), ws)
 
 
+def test_a_bit_flip_in_a_prepared_file_that_still_parses_stops_the_stage(ws):  # noqa: F811
+    import io
+    import re
+
+    import pyarrow.parquet as pq
+
+    from rlhf_core.data.readers import DataError
+    from rlhf_core.trainers.sft import train_sft
+
+    path = ws / "data/prepared/sft.parquet"
+    pristine = path.read_bytes()
+    table = pq.read_table(path)
+    for m in re.finditer(rb"What is (\d)", pristine):  # one bit of a digit in a prompt: '3' -> '2', '8' -> '9'
+        flipped = bytearray(pristine)
+        flipped[m.start(1)] ^= 0x01
+        try:
+            altered = pq.read_table(io.BytesIO(bytes(flipped)))
+        except OSError:
+            continue
+        if not altered.equals(table):
+            break
+    else:
+        pytest.fail("no single-bit flip of sft.parquet that still parses to other rows")
+    path.write_bytes(bytes(flipped))
+    assert pq.read_table(path).num_rows == table.num_rows  # parquet alone would train on it
+    with pytest.raises(DataError, match=r"data/prepared/sft.parquet: sha256 differs from the one "
+                                        r"data/prepared/manifest.json recorded when prepare wrote it \(corrupted or "
+                                        r"edited since.*`dvc checkout data/prepared` or re-run `rlhf stage prepare`"):
+        train_sft(tiny_params(*STEPS), ws)
+    assert not (ws / "checkpoints/sft").exists()
+    path.write_bytes(pristine)
+    assert _run(ws, "sft.save_every=0")["steps"] == 4  # restored: trains
+
+
 def test_a_damaged_model_directory_is_refused_at_load_naming_the_file(ws):  # noqa: F811
     from rlhf_core.integrity import MODEL_MANIFEST, CorruptModelError
     from rlhf_core.models.loading import load_causal_lm

@@ -23,6 +23,7 @@ from rlhf_core.config import ConfigError
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.integrity import MODEL_MANIFEST
 from tests.conftest import REPO, make_params
+from tests.tiny import reseal_prepared
 
 TINY = ["model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2",
         "model.tiny.num_hidden_layers=1", "model.tiny.intermediate_size=64", "data.demo.max_operand=4",
@@ -54,6 +55,7 @@ def built(tmp_path_factory):
         os.chdir(cwd)
     prompts = root / "data/prepared/prompts.parquet"
     pd.read_parquet(prompts).head(4).to_parquet(prompts)
+    reseal_prepared(root, "prompts.parquet")
     for d in ("checkpoints", "metrics", "plots"):
         shutil.rmtree(root / d, ignore_errors=True)
     return root

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.tiny import TINY_DEMO
+from tests.tiny import TINY_DEMO, reseal_prepared
 from tests.tiny import tiny_params as tiny
 
 # The SFT tests' tiny demo, with SFT trained longer (the RM starts from it) and the RM's settings.
@@ -110,6 +110,7 @@ def test_rm_empty_split_is_an_error_naming_the_file(ws):
 
     path = ws / "data" / "prepared" / "eval_pairs.parquet"
     pq.write_table(pq.read_table(path).slice(0, 0), path)
+    reseal_prepared(ws, "eval_pairs.parquet")
     with pytest.raises(DataError, match=r"data/prepared/eval_pairs.parquet: empty split \(0 rows\)"):
         train_rm(tiny_params(), ws)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import TINY_DEMO
+from tests.tiny import TINY_DEMO, reseal_prepared
 from tests.tiny import tiny_params as tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,6 +163,7 @@ def test_empty_split_is_an_error_naming_the_file(ws):
 
     path = ws / "data" / "prepared" / "sft.parquet"
     pq.write_table(pq.read_table(path).slice(0, 0), path)
+    reseal_prepared(ws, "sft.parquet")
     assert pa.parquet.read_table(path).num_rows == 0
     with pytest.raises(DataError, match=r"data/prepared/sft.parquet: empty split \(0 rows\)"):
         train_sft(tiny_params(), ws)
@@ -239,8 +240,9 @@ def test_stage_logs_are_quiet_in_non_terminal_output(ws):
 
 
 def test_a_planted_pickle_in_a_checkpoint_is_refused_not_run(ws, tmp_path):
-    """Checkpoints live on shared storage: the RNG state is read with ``weights_only=True``, so a pickle planted
-    there (here: one that would create a file when unpickled) stops the resume with the file named."""
+    """Checkpoints live on shared storage: the RNG state and DeepSpeed's own model and optimizer states (which
+    DeepSpeed itself unpickles with ``weights_only=False``) are read with ``weights_only=True``, so a pickle
+    planted in either (here: one that would create a file when unpickled) stops the resume with the file named."""
     import pickle
 
     from rlhf_core.engine.checkpoint import UnsafeCheckpointError, write_manifest
@@ -254,10 +256,18 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_not_run(ws, tmp_path):
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    rng_file = ws / "checkpoints/sft/step_00000002/rng_rank0.pt"
-    rng_file.write_bytes(pickle.dumps({"torch": Planted()}))
-    # whoever can write the checkpoint can rewrite its manifest: weights_only is the defence, not the hash
-    write_manifest(rng_file.parent)
-    with pytest.raises(UnsafeCheckpointError, match=r"rng_rank0.pt: refused to load"):
-        train_sft(tiny_params("sft.max_steps=2", "eval.max_prompts=8"), ws)
-    assert not marker.exists()
+    step = ws / "checkpoints/sft/step_00000002"
+    planted_files = (("rng_rank0.pt", {"torch": Planted()}), ("mp_rank_00_model_states.pt", {"module": Planted()}))
+    for name, planted in planted_files:
+        target = step / name
+        pristine = target.read_bytes()
+        target.write_bytes(pickle.dumps(planted))
+        # whoever can write the checkpoint can rewrite its manifest: weights_only is the defence, not the hash
+        write_manifest(step)
+        with pytest.raises(UnsafeCheckpointError, match=rf"{name}: refused to load: it holds objects other than "
+                                                        r"tensors, numbers and DeepSpeed's state classes"):
+            train_sft(tiny_params("sft.max_steps=2", "eval.max_prompts=8"), ws)
+        assert not marker.exists()
+        target.write_bytes(pristine)
+    write_manifest(step)
+    assert train_sft(tiny_params("sft.max_steps=2", "eval.max_prompts=8"), ws)["resumed_from_step"] == 2

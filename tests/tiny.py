@@ -18,3 +18,18 @@ TINY_DEMO = [
 def tiny_params(base: list[str], *overrides: str):
     """Validated Params from ``base`` then ``overrides`` (later keys win)."""
     return validate(apply_overrides({}, [*base, *overrides]), origin="<test>")
+
+
+def reseal_prepared(root, *names: str) -> None:
+    """Record the sha256 of prepared files a test edited on purpose in ``data/prepared/manifest.json`` (stages
+    refuse a prepared file whose hash differs from the one prepare recorded)."""
+    import json
+    from pathlib import Path
+
+    from rlhf_core.meta import file_sha256
+
+    manifest = Path(root) / "data/prepared/manifest.json"
+    data = json.loads(manifest.read_text())
+    for name in names:
+        data["hashes"][name] = file_sha256(manifest.parent / name)
+    manifest.write_text(json.dumps(data))

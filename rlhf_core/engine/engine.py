@@ -17,6 +17,7 @@ import torch
 
 from rlhf_core.config import ComputeConfig, OptimConfig
 from rlhf_core.engine import distributed as D
+from rlhf_core.engine.checkpoint import read_deepspeed_files_safely
 from rlhf_core.engine.ds_config import (
     WarmupDecay,
     build_ds_config,
@@ -66,6 +67,7 @@ class TrainEngine:
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             dist_init_required=False)
+        read_deepspeed_files_safely(self.ds)
         if D.world_size() == 1 and compute.zero_stage == 0:
             self.ds.enable_backward_allreduce = False  # nothing to reduce; skips flattening every gradient
         self._trainable = [p for p in self.ds.module.parameters() if p.requires_grad]

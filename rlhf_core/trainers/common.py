@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import functools
 import io
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,8 +29,10 @@ _NON_TRAINING_KEYS = ("save_every", "log_every", "resume", "keep_checkpoints")
 
 
 def read_prepared_table(root: str | Path, rel: Path):
-    """``data/prepared/<file>`` as a pyarrow Table; a file that is not readable parquet (truncated, overwritten)
-    is a ``DataError`` naming it and the fix, never read as data."""
+    """``data/prepared/<file>`` as a pyarrow Table. A file that is not readable parquet (truncated, overwritten),
+    or that parses but no longer has the sha256 prepare recorded for it in ``data/prepared/manifest.json`` (a
+    flipped bit inside a value), is a ``DataError`` naming it and the fix, never read as data. Files the
+    manifest does not list (or a workspace without one) are read unchecked."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -37,9 +41,37 @@ def read_prepared_table(root: str | Path, rel: Path):
         raise DataError(f"{rel}: not found; run `rlhf stage prepare` first")
     fix = f"restore it with `dvc checkout {paths.PREPARED}` or re-run `rlhf stage prepare`"
     try:
-        return pq.read_table(path)
+        table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise DataError(f"{rel}: not a readable parquet file ({err}); {fix}") from None
+    want = _prepared_hashes(Path(root)).get(Path(rel).name) if Path(rel).parent == paths.PREPARED else None
+    if want is not None and _sha256_once(path) != want:
+        raise DataError(f"{rel}: sha256 differs from the one {paths.MANIFEST} recorded when prepare wrote it "
+                        f"(corrupted or edited since: it still parses, so it would train on altered rows); {fix}")
+    return table
+
+
+def _prepared_hashes(root: Path) -> dict[str, str]:
+    """``hashes`` of ``data/prepared/manifest.json`` (file name -> sha256); empty when there is no manifest."""
+    manifest = root / paths.MANIFEST
+    if not manifest.exists():
+        return {}
+    try:
+        return dict(json.loads(manifest.read_text())["hashes"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{paths.MANIFEST}: unreadable ({err}); re-run `rlhf stage prepare`") from None
+
+
+@functools.cache
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    return file_sha256(Path(path))
+
+
+def _sha256_once(path: Path) -> str:
+    """sha256 of ``path``, hashed once per process while its size and mtime stay the same (stages read a split
+    several times)."""
+    st = path.stat()
+    return _sha256_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
 def read_split(root: str | Path, phase: str, eval_split: bool = False, columns: tuple[str, ...] = ()) -> dict:

@@ -25,6 +25,7 @@ from rlhf_core.engine.checkpoint import (
     TRAINER_STATE,
     CheckpointManager,
     load_rng_state,
+    load_state_file,
     rng_state,
     set_rng_state,
 )
@@ -66,7 +67,7 @@ class MultiEngineCheckpoint(CheckpointManager):
     def load_ema(self, tag: str) -> dict | None:
         """The EMA actor weights saved with ``tag`` (None when the run keeps no EMA)."""
         ema_file = self.dir / tag / EMA_FILE
-        return torch.load(ema_file, weights_only=True) if ema_file.exists() else None
+        return load_state_file(ema_file) if ema_file.exists() else None
 
 
 def checkpoint_dir(root: str | Path) -> Path:
