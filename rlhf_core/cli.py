@@ -22,7 +22,7 @@ app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, 
                   no_args_is_help=True, pretty_exceptions_enable=False)
 params_app = typer.Typer(help="Inspect and validate params.yaml.", no_args_is_help=True)
 app.add_typer(params_app, name="params")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # a path in a message stays one piece (logs, grep, copy)
 
 SET_HELP = "Override a param, e.g. -S data.max_prompt_len=128 (repeatable; value parsed as YAML)."
 
@@ -126,6 +126,34 @@ def params_docs() -> None:
     from rlhf_core.params_doc import render_params_reference
 
     sys.stdout.write(render_params_reference())
+
+
+# --------------------------------------------------------------------------- the DVC cache
+cache_app = typer.Typer(help="Check the DVC cache behind this workspace's outputs.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("verify")
+def cache_verify(
+    repair: bool = typer.Option(False, "--repair", help="Remove damaged entries (then `dvc pull` or "
+                                                        "`dvc commit -f STAGE` puts good ones back)."),
+) -> None:
+    """Re-hash every DVC cache entry dvc.lock names; exit 65 naming each one whose content no longer matches
+    its md5 (DVC itself trusts read-only entries). Run it before `dvc push`, or on a schedule.
+
+    Example: rlhf cache verify --repair && dvc pull
+    """
+    from rlhf_core.dvc_cache import verify_cache
+
+    try:
+        report = verify_cache(Path.cwd(), repair=repair)
+    except ValueError as err:
+        fail(str(err), code=exit_codes.BAD_INPUT)
+    console.print(f"{report.checked} cache entries checked, {len(report.damaged)} damaged, {report.absent} not in "
+                  f"the local cache" + (f", {len(report.skipped)} outputs skipped (not DVC 3 md5): "
+                                        f"{', '.join(report.skipped)}" if report.skipped else ""), highlight=False)
+    if report.damaged:
+        fail("\n".join(report.damaged), code=exit_codes.BAD_INPUT)
 
 
 # --------------------------------------------------------------------------- benchmarks

@@ -70,6 +70,7 @@ def verify_model_dir(directory: Path) -> None:
     problem = check_manifest(directory, MODEL_MANIFEST)
     if problem:
         raise CorruptModelError(
-            f"{problem}; the model in {directory} is damaged and was not loaded: restore it (`dvc checkout "
-            f"{directory}`) or re-run the stage that wrote it. A model edited on purpose: delete "
+            f"{problem}; the model in {directory} is damaged and was not loaded: restore it (`rm -r {directory} && "
+            f"dvc checkout {directory}`; `rlhf cache verify` checks DVC's cache) or re-run the stage that wrote it. "
+            "A model edited on purpose: delete "
             f"{Path(directory) / MODEL_MANIFEST} (it is then loaded unchecked)")

@@ -80,7 +80,8 @@ def test_a_corrupted_prepared_file_stops_the_stage_naming_it(ws):  # noqa: F811
 
     (ws / "data/prepared/sft.parquet").write_text("id,prompt\n1,hello\n")
     with pytest.raises(DataError, match=r"data/prepared/sft.parquet: not a readable parquet file \(.*"
-                                        r"`dvc checkout data/prepared` or re-run `rlhf stage prepare`"):
+                                        r"`rm data/prepared/sft.parquet && dvc checkout data/prepared` \(`rlhf cache "
+                                        r"verify` checks DVC's cache\) or re-run `rlhf stage prepare`"):
         train_sft(tiny_params(*STEPS), ws)
 
 
@@ -111,7 +112,7 @@ def test_a_bit_flip_in_a_prepared_file_that_still_parses_stops_the_stage(ws):  #
     assert pq.read_table(path).num_rows == table.num_rows  # parquet alone would train on it
     with pytest.raises(DataError, match=r"data/prepared/sft.parquet: sha256 differs from the one "
                                         r"data/prepared/manifest.json recorded when prepare wrote it \(corrupted or "
-                                        r"edited since.*`dvc checkout data/prepared` or re-run `rlhf stage prepare`"):
+                                        r"edited since.*dvc checkout data/prepared`.* or re-run `rlhf stage prepare`"):
         train_sft(tiny_params(*STEPS), ws)
     assert not (ws / "checkpoints/sft").exists()
     path.write_bytes(pristine)
@@ -135,7 +136,8 @@ def test_a_damaged_model_directory_is_refused_at_load_naming_the_file(ws):  # no
     weights.write_bytes(bytes(data))
     with pytest.raises(CorruptModelError, match=rf"{weights}: sha256 differs from the manifest \(corrupted\); the "
                                                 rf"model in {sft} is damaged and was not loaded: restore it "
-                                                rf"\(`dvc checkout {sft}`\) or re-run the stage that wrote it"):
+                                                rf"\(`rm -r {sft} && dvc checkout {sft}`; `rlhf cache verify` checks "
+                                                r"DVC's cache\) or re-run the stage that wrote it"):
         load_causal_lm(sft)
     weights.write_bytes(pristine[:1000])  # truncated (an interrupted copy)
     with pytest.raises(CorruptModelError, match=rf"{weights}: 1000 bytes, the manifest says {len(pristine)}"):
@@ -149,6 +151,14 @@ def test_a_damaged_model_directory_is_refused_at_load_naming_the_file(ws):  # no
 
     with pytest.raises(CorruptModelError, match=r"tokenizer.json: missing"):
         train_rm(tiny_params("rm.max_steps=2"), ws)
+
+    # the tokenizer every stage loads (models/base, written by prepare) is sealed and checked the same way
+    base_tok = ws / "models/base/tokenizer.json"
+    assert (base_tok.parent / MODEL_MANIFEST).exists()
+    base_tok.write_text(base_tok.read_text().replace('"<pad>"', '"<pbd>"', 1))  # same size, one token renamed
+    with pytest.raises(CorruptModelError, match=rf"{base_tok}: sha256 differs from the manifest \(corrupted\); the "
+                                                rf"model in {base_tok.parent} is damaged"):
+        _run(ws)
 
 
 DISK_FULL_RUN = """

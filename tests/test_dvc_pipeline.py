@@ -68,6 +68,74 @@ def test_push_and_pull_against_local_remote(dvc_repo):
     assert os.path.exists(dvc_repo / "models/base/tokenizer.json")
 
 
+def _flip_a_bit_in_place(path: Path) -> None:
+    """One bit of a cache file flipped while it keeps its read-only mode and its mtime: bit rot, as DVC sees it
+    (it trusts a read-only entry and re-uses a hash while inode, size and mtime stay the same)."""
+    st = path.stat()
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    path.chmod(st.st_mode)
+
+
+def _rlhf(root, *args):
+    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", *args], cwd=root, capture_output=True, text=True,
+                          env=stage_env())
+    return proc.returncode, " ".join((proc.stdout + proc.stderr).split())  # the messages as one line
+
+
+def test_a_damaged_cache_entry_is_refused_by_the_stage_and_found_by_cache_verify(dvc_repo):
+    """A DVC cache entry damaged in place passes ``dvc status`` and comes back through ``dvc checkout``; the next
+    stage refuses the file before training, ``rlhf cache verify`` names the entry, ``--repair`` removes it and a
+    pull puts the remote's good copy back."""
+    import hashlib
+
+    dvc(dvc_repo, "repro", "prepare")
+    sft = dvc_repo / "data/prepared/sft.parquet"
+    pristine = sft.read_bytes()
+    dvc(dvc_repo, "push", "prepare")
+    assert _rlhf(dvc_repo, "cache", "verify")[0] == 0
+    md5 = hashlib.md5(pristine).hexdigest()
+    entry = dvc_repo / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
+    assert entry.is_file() and entry.read_bytes() == pristine
+
+    _flip_a_bit_in_place(entry)
+    assert "Data and pipelines are up to date" in dvc(dvc_repo, "status", "prepare")  # DVC trusts it
+    shutil.rmtree(dvc_repo / "data/prepared")
+    dvc(dvc_repo, "checkout", "data/prepared")
+    assert sft.read_bytes() != pristine  # the damaged bytes came back
+
+    code, said = _rlhf(dvc_repo, "stage", "sft")
+    assert code == 65, said
+    assert ("data/prepared/sft.parquet: sha256 differs from the one data/prepared/manifest.json recorded" in said
+            or "data/prepared/sft.parquet: not a readable parquet file" in said), said
+    assert not (dvc_repo / "checkpoints").exists()
+
+    code, said = _rlhf(dvc_repo, "cache", "verify")
+    assert code == 65 and f"{entry}: content no longer matches its md5 (data/prepared/sft.parquet, stage " \
+                          "prepare); remove it with `rlhf cache verify --repair`" in said, said
+    assert entry.exists()
+    code, said = _rlhf(dvc_repo, "cache", "verify", "--repair")
+    assert code == 65 and "removed: restore it with `dvc pull prepare`" in said and not entry.exists(), said
+    dvc(dvc_repo, "pull", "prepare")
+    assert entry.read_bytes() == pristine  # the remote's good copy
+    sft.unlink()  # DVC trusts the copy it checked out: it goes first, as the stage's message says
+    dvc(dvc_repo, "checkout", "data/prepared")
+    assert sft.read_bytes() == pristine
+    code, said = _rlhf(dvc_repo, "cache", "verify")
+    assert code == 0 and "0 damaged, 0 not in the local cache" in said, said
+
+
+def test_cache_verify_without_a_lock_or_with_a_broken_one_says_so(tmp_path):
+    assert _rlhf(tmp_path, "cache", "verify") == (
+        65, f"error: {tmp_path / 'dvc.lock'}: not found; nothing DVC produced to verify (run the pipeline first)")
+    (tmp_path / "dvc.lock").write_text("stages: [unclosed\n")
+    code, said = _rlhf(tmp_path, "cache", "verify")
+    assert code == 65 and said.startswith(f"error: {tmp_path / 'dvc.lock'}: not valid YAML"), said
+
+
 def test_every_stage_declares_the_sections_it_logs_and_the_stage_command():
     """dvc.yaml must name each params section a stage reads (else a changed key would not re-run it)."""
     from rlhf_core.stages import STAGE_NAMES

@@ -125,6 +125,7 @@ def test_tokenizer_that_does_not_fit_the_model_is_an_error(ws):
     vocab = cfg["vocab_size"]
     cfg["vocab_size"] = 20
     cfg_path.write_text(json.dumps(cfg))
+    (cfg_path.parent / "rlhf_manifest.json").unlink()  # edited on purpose
     with pytest.raises(TrainingInputError, match=rf"tokenizer has {vocab} tokens but .*config.json has 20 embedding"):
         train_sft(tiny_params(), ws)
 
@@ -140,6 +141,7 @@ def test_missing_pad_token_is_an_error(ws):
     tok.pad_token = None
     tok.unk_token = None
     tok.save_pretrained(str(base))
+    (base / "rlhf_manifest.json").unlink()  # edited on purpose
     with pytest.raises(TrainingInputError, match=r"tokenizer at .*models/base has no pad token"):
         train_sft(tiny_params(), ws)
 
@@ -174,6 +176,7 @@ def test_stage_cli_reports_bad_input_clearly(ws):
     cfg = json.loads(cfg_path.read_text())
     cfg["vocab_size"] = 20
     cfg_path.write_text(json.dumps(cfg))
+    (cfg_path.parent / "rlhf_manifest.json").unlink()  # edited on purpose
     env = {**os.environ, "PYTHONPATH": str(REPO), "RLHF_TRACKING": "off"}
     args = [a for o in TINY for a in ("-S", o)]
     proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stage", "sft", *args], cwd=ws,

@@ -25,12 +25,14 @@ ADAPTER_DIR = "adapter"
 
 # --------------------------------------------------------------------------- tokenizer
 def load_training_tokenizer(root: str | Path, params: Params):
-    """The tokenizer in ``models/base`` (left padding); missing pad/EOS tokens are errors naming the path."""
+    """The tokenizer in ``models/base`` (left padding), checked against its manifest (``CorruptModelError``);
+    missing pad/EOS tokens are errors naming the path."""
     from rlhf_core.data.tokenizer import load_tokenizer
 
     path = Path(root) / paths.BASE_MODEL
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
         raise TrainingInputError(f"{path}: no tokenizer found; run `rlhf stage prepare` first")
+    verify_model_dir(path)
     try:
         tok = load_tokenizer(path, params.model.trust_remote_code)
     except ValueError as err:

@@ -30,6 +30,7 @@ from rlhf_core.data.tokenizer import (
     tiny_model_config,
     train_demo_tokenizer,
 )
+from rlhf_core.integrity import seal_model_dir
 from rlhf_core.meta import build_meta, file_sha256, write_meta
 from rlhf_core.rewards import demo_task
 
@@ -246,6 +247,7 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
         write_json_atomic(tmp / "prepared" / "manifest.json", manifest)
         write_meta(tmp / "prepared", build_meta("prepare", params_hash))
         write_meta(tmp / "base", build_meta("prepare", params_hash, **base_meta))
+        seal_model_dir(tmp / "base")  # the tokenizer every stage loads: checked like any model
         for src_dir, dst in ((tmp / "prepared", prepared), (tmp / "base", base)):
             dst.parent.mkdir(parents=True, exist_ok=True)
             old = dst.with_name(f".{dst.name}.old")

@@ -39,7 +39,8 @@ def read_prepared_table(root: str | Path, rel: Path):
     path = Path(root) / rel
     if not path.exists():
         raise DataError(f"{rel}: not found; run `rlhf stage prepare` first")
-    fix = f"restore it with `dvc checkout {paths.PREPARED}` or re-run `rlhf stage prepare`"
+    fix = (f"restore it with `rm {rel} && dvc checkout {paths.PREPARED}` (`rlhf cache verify` checks DVC's cache) "
+           "or re-run `rlhf stage prepare`")
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as err:
