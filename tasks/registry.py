@@ -6,6 +6,12 @@ with ``mlflow.transformers.load_model("models:/<prefix>-actor@champion")``),
 scores).  A new version gets alias ``challenger``; passing the gate moves
 ``champion``.  A model directory whose content hash is already registered is
 not registered again (a re-run that skipped training adds no versions).
+
+A registration killed at any point resumes on the next run, never doubles a version, never leaves one
+pointing at partial files: the artifacts are uploaded first; the version is created from them in one call
+that carries every tag (content hash, lineage); its description, the ``challenger`` alias and
+``rlhf.registration=complete`` follow, and a re-run that finds the hash on a version without that tag
+finishes those steps instead of registering again.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ DESCRIPTION_LIMIT = 5000  # MLflow's SQL store: model_versions.description is St
 
 CHALLENGER, CHAMPION = "challenger", "champion"
 HASH_TAG = "rlhf.content_hash"
+COMPLETE_TAG = "rlhf.registration"  # "complete": the version's description and challenger alias are set
 
 
 @dataclass
@@ -111,13 +118,12 @@ def _log_model(kind: str, model_dir: Path, name: str):
         # a tokenizer with a chat template: MLflow's chat task (OpenAI-style messages in, a chat completion out)
         task = "llm/v1/chat" if getattr(components["tokenizer"], "chat_template", None) else "text-generation"
         return mlflow.transformers.log_model(transformers_model=components, task=task, name=kind,
-                                             registered_model_name=name, pip_requirements=pip_requirements(),
-                                             model_card=model_card)
+                                             pip_requirements=pip_requirements(), model_card=model_card)
     import rlhf_core
     from rlhf_core.serving import ScorerModel
 
     return mlflow.pyfunc.log_model(name=kind, python_model=ScorerModel(), artifacts={"model": str(model_dir)},
-                                   registered_model_name=name, pip_requirements=pip_requirements(),
+                                   pip_requirements=pip_requirements(),
                                    code_paths=[str(Path(rlhf_core.__file__).parent)],
                                    signature=scorer_signature(), input_example=scorer_input_example())
 
@@ -136,27 +142,33 @@ def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[s
         raise FileNotFoundError(f"{model_dir}: no model to register as {name}")
     content_hash = dir_sha256(model_dir)
     existing = find_version_by_hash(name, content_hash)
-    if existing is not None:
+    if existing is not None and existing.tags.get(COMPLETE_TAG) == "complete":
         return Registered(name, existing.version, new=False)
-    own_run = run_id is not None or mlflow.active_run() is None
-    if run_id is not None:
-        mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None)
-    elif own_run:
-        mlflow.start_run(run_name=f"register-{kind}")
-    try:
-        info = _log_model(kind, model_dir, name)
-    finally:
-        if own_run:
-            mlflow.end_run()
-    version = str(info.registered_model_version)
+    if existing is None:  # upload, then one call creates the version with all its tags
+        own_run = run_id is not None or mlflow.active_run() is None
+        if run_id is not None:
+            mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None)
+        elif own_run:
+            mlflow.start_run(run_name=f"register-{kind}")
+        try:
+            info = _log_model(kind, model_dir, name)
+        finally:
+            if own_run:
+                mlflow.end_run()
+        tags = {**tags, HASH_TAG: content_hash, "rlhf.kind": kind}
+        existing = mlflow.register_model(info.model_uri, name, tags={k: str(v) for k, v in tags.items()})
+    _finish_registration(name, existing.version, model_dir)
+    return Registered(name, str(existing.version), new=True, model_id=getattr(existing, "model_id", None))
+
+
+def _finish_registration(name: str, version: str, model_dir: Path) -> None:
+    """Description (the model card), ``challenger``, then ``rlhf.registration=complete``; idempotent."""
     client = _client()
-    for key, value in {**tags, HASH_TAG: content_hash, "rlhf.kind": kind}.items():
-        client.set_model_version_tag(name, version, key, str(value))
     card = model_dir / CARD_FILE
     if card.is_file():  # the model card is the version's description in the registry UI
         client.update_model_version(name, version, description=card_description(card.read_text()))
     client.set_registered_model_alias(name, CHALLENGER, version)
-    return Registered(name, version, new=True, model_id=getattr(info, "model_id", None))
+    client.set_model_version_tag(name, version, COMPLETE_TAG, "complete")
 
 
 def card_description(card: str, limit: int = DESCRIPTION_LIMIT) -> str:
