@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,15 +42,14 @@ KINDS = {"actor": "models/actor", "critic": "models/critic", "reward": "models/r
 
 
 def run_dir_for(base: Path, run_dir: Path, prefix: str) -> list[str]:
-    """``run_dir`` with links to the workspace's models and a params.yaml registering under ``prefix``; returns
+    """``run_dir`` with copies of the workspace's models and a params.yaml registering under ``prefix``; returns
     the kinds present."""
     (run_dir / "models").mkdir(parents=True, exist_ok=True)
     kinds = []
     for kind, rel in KINDS.items():
         if (base / rel / "config.json").is_file():
-            link = run_dir / rel
-            if not link.exists():
-                link.symlink_to(base / rel)
+            if not (run_dir / rel).exists():  # a copy: MLflow refuses artifacts behind a symlink
+                shutil.copytree(base / rel, run_dir / rel)
             kinds.append(kind)
     params = yaml.safe_load((base / "params.yaml").read_text())
     params.setdefault("tracking", {})["registry_prefix"] = prefix
