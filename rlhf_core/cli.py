@@ -72,11 +72,13 @@ def stage_cmd(
     from rlhf_core import tracking
     from rlhf_core.data.readers import DataError
     from rlhf_core.engine import stop
+    from rlhf_core.flow_watch import stop_when_flow_exits
     from rlhf_core.locks import LockBusy, stage_lock
     from rlhf_core.progress import StageProgress
 
     if name in CHECKPOINTED_STAGES:
         stop.install(params.compute.stop_grace_s)
+    stop_when_flow_exits(Path(params.project.workspace) / "logs" / f"stage-{name}.log")
 
     try:
         with (stage_lock(params.project.workspace, name), tracking.stage_run(name, params, Path(".")) as mlflow_log,

@@ -23,6 +23,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
+from rlhf_core.flow_watch import FLOW_PID_ENV
 from rlhf_core.paths import METRICS
 from rlhf_core.stages import STAGE_TIMEOUT_S, exit_codes
 from tasks.retry_policy import retry_transient
@@ -66,9 +67,11 @@ def dvc_repro_stage(stage: str, root: Path, env: dict[str, str], force: bool, ec
 
     DVC and the stage run in their own process group: when this call is interrupted (task timeout, flow
     cancellation, Ctrl-C) the group gets SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`, so no stage process
-    outlives the task that started it.
+    outlives the task that started it. Should this process itself be killed outright, the stage notices and
+    stops at its next step boundary with a checkpoint (``rlhf_core.flow_watch``).
     """
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
+    env = {**env, FLOW_PID_ENV: str(os.getpid())}  # the stage stops if this process dies (rlhf_core.flow_watch)
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
     tail: list[str] = []

@@ -1,0 +1,64 @@
+"""A stage started by a flow stops when that flow's process is gone.
+
+The flow runs each stage as ``dvc repro`` in a session of its own (so that a cancellation or a task timeout can
+stop the whole process group) and reads its output through a pipe. A flow process killed outright (SIGKILL,
+the OOM killer, a node lost) runs no hook: its stage would go on training unobserved, hold its stage lock
+against the flow's re-run, and die at its next line of output, written into a pipe nobody reads, wherever it
+happens to be. So the flow names itself in ``RLHF_FLOW_PID``, and the stage watches that process (a pidfd: no
+polling, no pid reuse). When it exits, the stage's output moves to ``<workspace>/logs/stage-<name>.log`` and
+the stage gets SIGTERM: a training stage checkpoints at its next step boundary and exits 75
+(:mod:`rlhf_core.engine.stop`), so the flow's re-run resumes there; the other stages end at once (their outputs
+are written atomically).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+FLOW_PID_ENV = "RLHF_FLOW_PID"
+
+
+def _wait_for_exit(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:  # no pidfd (a kernel before 5.3): poll
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(1.0)
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)
+
+
+def _stop(pid: int, log_file: Path) -> None:
+    _wait_for_exit(pid)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    out = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in (1, 2):  # the flow's pipe has no reader any more
+        os.dup2(out, fd)
+    os.close(out)
+    print(f"the flow process {pid} that started this stage is gone: stopping (SIGTERM to {os.getpid()})",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_when_flow_exits(log_file: Path) -> int | None:
+    """Watch the process ``RLHF_FLOW_PID`` names (if set) in a daemon thread; returns that pid."""
+    value = os.environ.get(FLOW_PID_ENV)
+    if not value:
+        return None
+    pid = int(value)
+    threading.Thread(target=_stop, args=(pid, log_file), name="flow-watch", daemon=True).start()
+    return pid
