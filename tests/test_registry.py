@@ -261,3 +261,56 @@ def test_actor_with_a_chat_template_is_logged_for_chat(mlflow_uri, tmp_path):
     reg = register_model_dir("actor", plain, "plain-actor", {})
     flavor = mlflow.pyfunc.load_model(f"models:/plain-actor/{reg.version}").metadata.flavors["transformers"]
     assert flavor["task"] == "text-generation" and "inference_task" not in flavor
+
+
+def test_a_registration_cut_off_after_its_version_exists_is_finished_not_doubled(mlflow_uri, tmp_path, monkeypatch):
+    """The window a kill can hit between creating a version and finishing it (description, challenger, the
+    completion tag): the re-run finds the version by its content hash and finishes it; no second version."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    import tasks.registry as registry
+
+    mlflow.set_experiment("registry-cut-off")
+    name = "cutoff-actor"
+    actor = tiny_actor(tmp_path / "a", seed=3)
+    finish = registry._finish_registration
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed after the version was created")
+
+    monkeypatch.setattr(registry, "_finish_registration", killed)
+    with pytest.raises(KeyboardInterrupt):
+        registry.register_model_dir("actor", actor, name, {"rlhf.stage": "rlhf"})
+    client = MlflowClient()
+    (left,) = client.search_model_versions(f"name='{name}'")
+    assert left.tags[registry.HASH_TAG] and left.tags["rlhf.stage"] == "rlhf"  # created with every tag at once
+    assert registry.COMPLETE_TAG not in left.tags and registry.alias_version(name, registry.CHALLENGER) is None
+
+    monkeypatch.setattr(registry, "_finish_registration", finish)
+    again = registry.register_model_dir("actor", actor, name, {"rlhf.stage": "rlhf"})
+    assert (again.version, again.new) == (left.version, True)
+    (only,) = client.search_model_versions(f"name='{name}'")
+    assert only.tags[registry.COMPLETE_TAG] == "complete"
+    assert registry.alias_version(name, registry.CHALLENGER) == left.version
+    third = registry.register_model_dir("actor", actor, name, {"rlhf.stage": "rlhf"})
+    assert (third.version, third.new) == (left.version, False)
+
+
+def test_rlhf_register_killed_at_random_moments_leaves_no_partial_or_doubled_version(mlflow_uri, tmp_path):
+    """The registration kill campaign at a small size: ``rlhf register`` SIGKILLed twice at random moments,
+    each re-run to the end: every version's downloaded files are whole, each kind ends with one complete
+    version under ``challenger``."""
+    import shutil
+
+    from rlhf_core.bench.kill_register import main
+
+    ws = tmp_path / "ws"
+    tiny_actor(ws / "models/actor", seed=4)
+    shutil.copy(REPO / "params.yaml", ws / "params.yaml")
+    rows = main(["--workspace", str(ws), "--tracking-uri", mlflow_uri, "--kills", "2", "--seed", "1",
+                 "--out", str(tmp_path / "kills.jsonl")])
+    assert len(rows) == 2 and any(r["killed"] for r in rows)
+    for r in rows:
+        assert r["rerun_rc"] == 0 and r["incomplete_files_after_kill"] == 0, r
+        assert r["one_version_each"] and r["all_complete_and_whole"] and r["challenger_on_it"], r
