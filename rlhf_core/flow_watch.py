@@ -2,13 +2,15 @@
 
 The flow runs each stage as ``dvc repro`` in a session of its own (so that a cancellation or a task timeout can
 stop the whole process group) and reads its output through a pipe. A flow process killed outright (SIGKILL,
-the OOM killer, a node lost) runs no hook: its stage would go on training unobserved, hold its stage lock
-against the flow's re-run, and die at its next line of output, written into a pipe nobody reads, wherever it
-happens to be. So the flow names itself in ``RLHF_FLOW_PID``, and the stage watches that process (a pidfd: no
-polling, no pid reuse). When it exits, the stage's output moves to ``<workspace>/logs/stage-<name>.log`` and
-the stage gets SIGTERM: a training stage checkpoints at its next step boundary and exits 75
-(:mod:`rlhf_core.engine.stop`), so the flow's re-run resumes there; the other stages end at once (their outputs
-are written atomically).
+the OOM killer) runs no hook, and its stage died at its next line of output, written into a pipe nobody reads,
+wherever it was: every step since its last checkpoint lost (measured: a demo SFT stage gone 2 s after its
+flow, mid-interval, no checkpoint written); under a stage that printed nothing for a while it would have gone
+on training unobserved, holding its stage lock against the flow's re-run. So the flow names itself in
+``RLHF_FLOW_PID``, and the stage watches that process (a pidfd: no polling, no pid reuse). When it exits, the
+stage's output moves to ``<workspace>/logs/stage-<name>.log`` and the stage gets SIGTERM: a training stage
+checkpoints at its next step boundary and exits 75 (:mod:`rlhf_core.engine.stop`), so the flow's re-run
+resumes there; the other stages end at once (their outputs are written atomically). A line the stage writes
+in the instant between the flow's death and the switch still meets the broken pipe (the old outcome).
 """
 
 from __future__ import annotations
