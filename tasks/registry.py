@@ -144,6 +144,7 @@ def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[s
     existing = find_version_by_hash(name, content_hash)
     if existing is not None and existing.tags.get(COMPLETE_TAG) == "complete":
         return Registered(name, existing.version, new=False)
+    model_id = None
     if existing is None:  # upload, then one call creates the version with all its tags
         own_run = run_id is not None or mlflow.active_run() is None
         if run_id is not None:
@@ -157,8 +158,15 @@ def register_model_dir(kind: str, model_dir: str | Path, name: str, tags: dict[s
                 mlflow.end_run()
         tags = {**tags, HASH_TAG: content_hash, "rlhf.kind": kind}
         existing = mlflow.register_model(info.model_uri, name, tags={k: str(v) for k, v in tags.items()})
+        model_id = info.model_id
     _finish_registration(name, existing.version, model_dir)
-    return Registered(name, str(existing.version), new=True, model_id=getattr(existing, "model_id", None))
+    return Registered(name, str(existing.version), new=True, model_id=model_id or logged_model_id(existing))
+
+
+def logged_model_id(version) -> str | None:
+    """The MLflow 3 logged model behind a version (``models:/m-...`` source), if any."""
+    source = version.source or ""
+    return version.model_id or (source.removeprefix("models:/") if source.startswith("models:/m-") else None)
 
 
 def _finish_registration(name: str, version: str, model_dir: Path) -> None:

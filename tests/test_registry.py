@@ -289,7 +289,7 @@ def test_a_registration_cut_off_after_its_version_exists_is_finished_not_doubled
 
     monkeypatch.setattr(registry, "_finish_registration", finish)
     again = registry.register_model_dir("actor", actor, name, {"rlhf.stage": "rlhf"})
-    assert (again.version, again.new) == (left.version, True)
+    assert (again.version, again.new) == (left.version, True) and again.model_id == left.source.removeprefix("models:/")
     (only,) = client.search_model_versions(f"name='{name}'")
     assert only.tags[registry.COMPLETE_TAG] == "complete"
     assert registry.alias_version(name, registry.CHALLENGER) == left.version
