@@ -7,8 +7,8 @@ params.yaml to run, e.g. tiny params):
    remote, all under ``.rlhf``) in a fresh copy of ``P``: its wall time ``T``, its models' weights, its registry;
 2. ``--kills`` times, in a fresh copy: ``rlhf run`` in its own process group, SIGKILLed (the whole group: the
    flow and what runs in its session; the stages run in sessions of their own and must stop by themselves,
-   ``rlhf_core.flow_watch``) after a delay drawn uniformly in ``0 .. T``, then
-   * what the kill left: the stage processes still alive after the kill and how long they took to stop (one
+   ``rlhf_core.flow_watch``) after a delay drawn uniformly in ``--from-s .. T``, then
+   * what the kill left: the stage running at the kill, how long it took to stop and what it said (one
      still running after ``--stop-timeout`` seconds would be a defect, and is killed), every model directory
      absent, whole or partial (against its manifest; partial would be a defect);
    * the re-run to the end: its exit code, each model's weights equal to the reference's bit for bit or not,
@@ -79,6 +79,19 @@ def processes_in(run_dir: Path) -> list[int]:
     return pids
 
 
+def stage_running(pids: list[int]) -> str | None:
+    """The stage one of ``pids`` runs (``rlhf stage NAME`` in its command line), if any."""
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in argv]
+        if "stage" in words and words.index("stage") + 1 < len(words) and any("rlhf" in w for w in words):
+            return words[words.index("stage") + 1]
+    return None
+
+
 def model_states(run_dir: Path) -> dict[str, str]:
     out = {}
     for name, rel in MODELS.items():
@@ -124,28 +137,35 @@ def run_reference(project: Path, work: Path) -> dict:
     return {"seconds": time.perf_counter() - t0, "weights": weights(ref), "registry": registry(ref)}
 
 
-def one_kill(project: Path, work: Path, i: int, reference: dict, rng: random.Random, stop_timeout: float) -> dict:
+def one_kill(project: Path, work: Path, i: int, reference: dict, rng: random.Random, stop_timeout: float,
+             from_s: float = 0.0) -> dict:
     run_dir = work / f"kill_{i:03d}"
     fresh_copy(project, run_dir)
-    delay = rng.uniform(0.0, reference["seconds"])
+    delay = rng.uniform(from_s, reference["seconds"])
     proc = start(run_dir)
     try:
         proc.wait(timeout=delay)
         killed = False
+        outside: list[int] = []
     except subprocess.TimeoutExpired:
+        # what runs outside the flow's process group (the stage under DVC, in a session of its own) at the kill
+        outside = [p for p in processes_in(run_dir) if _pgid(p) not in (None, proc.pid)]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         killed = True
     t0 = time.perf_counter()
-    left = processes_in(run_dir)
+    stage = stage_running(outside)
     while processes_in(run_dir) and time.perf_counter() - t0 < stop_timeout:
-        time.sleep(0.2)
+        time.sleep(0.1)
     stragglers = processes_in(run_dir)
     for pid in stragglers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    row = {"kill": i, "delay_s": round(delay, 1), "killed": killed, "processes_left_by_the_kill": len(left),
+    stage_log = run_dir / ".rlhf" / "logs" / f"stage-{stage}.log"
+    row = {"kill": i, "delay_s": round(delay, 1), "killed": killed, "stage_at_kill": stage,
+           "processes_outside_the_flow_at_kill": len(outside),
            "seconds_until_they_stopped": round(time.perf_counter() - t0, 1), "stragglers": len(stragglers),
+           "stage_said": stage_log.read_text().strip().splitlines()[-1][:300] if stage_log.exists() else None,
            "models_after_kill": model_states(run_dir)}
     rc = start(run_dir).wait()
     row["rerun_rc"] = rc
@@ -158,6 +178,13 @@ def one_kill(project: Path, work: Path, i: int, reference: dict, rng: random.Ran
     return row
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def _shape(reg: dict) -> dict:
     """What must match the reference: per kind, how many versions, all complete, champion set or not."""
     return {k: (len(v["versions"]), all(c for _, c in v["versions"]), v["champion"] is not None)
@@ -168,11 +195,11 @@ def summarise(rows: list[dict]) -> str:
     killed = sum(r["killed"] for r in rows)
     ok = [r for r in rows if r.get("rerun_rc") == 0]
     states = [s for r in rows for s in r["models_after_kill"].values()]
-    lines = ["| kills | stage processes left by the kill: stopped by themselves / stragglers | re-run finished | "
+    lines = ["| kills (during a stage) | stages stopped by themselves / stragglers | re-run finished | "
              "identical final weights (every model) | registry as the reference's | model dirs after the kill "
              "(absent / whole / partial) |", "|---|---|---|---|---|---|"]
-    lines.append(f"| {killed} (+{len(rows) - killed} finished first) | "
-                 f"{sum(r['processes_left_by_the_kill'] > 0 and not r['stragglers'] for r in rows)} / "
+    lines.append(f"| {killed} ({sum(r['stage_at_kill'] is not None for r in rows)}; +{len(rows) - killed} finished "
+                 f"first) | {sum(r['stage_at_kill'] is not None and not r['stragglers'] for r in rows)} / "
                  f"{sum(r['stragglers'] for r in rows)} | {len(ok)} / {len(rows)} | "
                  f"{sum(all(r['identical_weights'].values()) for r in ok)} / {len(ok)} | "
                  f"{sum(r['registry_as_reference'] for r in ok)} / {len(ok)} | "
@@ -186,6 +213,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-timeout", type=float, default=120.0, help="seconds the stages get to stop by themselves")
+    ap.add_argument("--from-s", type=float, default=0.0, help="earliest kill, seconds after the start (e.g. past "
+                                                              "the Prefect server's start-up)")
     ap.add_argument("--out", type=Path, required=True, help="JSONL of the kills; run directories beside it")
     a = ap.parse_args(argv)
     work = a.out.with_suffix("").resolve()
@@ -196,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rng = random.Random(a.seed)
     rows = []
     for i in range(a.kills):
-        row = one_kill(project, work, i, reference, rng, a.stop_timeout)
+        row = one_kill(project, work, i, reference, rng, a.stop_timeout, a.from_s)
         rows.append(row)
         with open(a.out, "a") as fh:
             fh.write(json.dumps(row) + "\n")
