@@ -298,8 +298,8 @@ def test_a_registration_cut_off_after_its_version_exists_is_finished_not_doubled
 
 
 def test_rlhf_register_killed_at_random_moments_leaves_no_partial_or_doubled_version(mlflow_uri, tmp_path):
-    """The registration kill campaign at a small size: ``rlhf register`` SIGKILLed twice at random moments,
-    each re-run to the end: every version's downloaded files are whole, each kind ends with one complete
+    """The registration kill campaign at a small size: ``rlhf register`` SIGKILLed at a random moment,
+    re-run to the end: every version's downloaded files are whole, each kind ends with one complete
     version under ``challenger``."""
     import shutil
 
@@ -308,9 +308,9 @@ def test_rlhf_register_killed_at_random_moments_leaves_no_partial_or_doubled_ver
     ws = tmp_path / "ws"
     tiny_actor(ws / "models/actor", seed=4)
     shutil.copy(REPO / "params.yaml", ws / "params.yaml")
-    rows = main(["--workspace", str(ws), "--tracking-uri", mlflow_uri, "--kills", "2", "--seed", "1",
+    rows = main(["--workspace", str(ws), "--tracking-uri", mlflow_uri, "--kills", "1", "--seed", "1",
                  "--out", str(tmp_path / "kills.jsonl")])
-    assert len(rows) == 2 and any(r["killed"] for r in rows)
+    assert len(rows) == 1 and rows[0]["killed"]  # at 13 % of the uninterrupted run (seed 1)
     for r in rows:
         assert r["rerun_rc"] == 0 and r["incomplete_files_after_kill"] == 0, r
         assert r["one_version_each"] and r["all_complete_and_whole"] and r["challenger_on_it"], r
