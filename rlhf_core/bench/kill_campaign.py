@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MODEL_DIR = {"sft": "models/sft", "rm": "models/rm", "rlhf": "models/actor"}
@@ -113,6 +114,35 @@ def run_reference(base: Path, out: Path, stage: str, sets: list[str], threads: i
             "steps": finished_metrics(ref, stage)["steps"]}
 
 
+def sigkill_group_after(proc: subprocess.Popen, delay: float, before: Callable[[], None] | None = None) -> bool:
+    """SIGKILL ``proc``'s process group ``delay`` seconds from now (``before`` runs just ahead of the kill); False
+    when it finished first."""
+    try:
+        proc.wait(timeout=delay)
+        return False
+    except subprocess.TimeoutExpired:
+        if before is not None:
+            before()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return True
+
+
+def run_kills(kills: int, seed: int, out: Path, one: Callable[[int, random.Random], dict],
+              summarise: Callable[[list[dict]], str]) -> list[dict]:
+    """``one(i, rng)`` for each kill: its row appended to ``out`` (JSONL) and printed; then the summary table."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(kills):
+        row = one(i, rng)
+        rows.append(row)
+        with open(out, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    print(summarise(rows))
+    return rows
+
+
 def one_kill(base: Path, out: Path, i: int, stage: str, sets: list[str], threads: int, reference: dict,
              rng: random.Random) -> dict:
     run_dir = out / f"kill_{i:03d}"
@@ -124,13 +154,7 @@ def one_kill(base: Path, out: Path, i: int, stage: str, sets: list[str], threads
     proc = start(run_dir, stage, sets, threads)
     while target and proc.poll() is None and last_logged_step(run_dir / "run.log", stage) < target:
         time.sleep(0.05)
-    try:
-        proc.wait(timeout=delay)
-        killed = False  # it finished before the kill point
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        killed = True
+    killed = sigkill_group_after(proc, delay)
     ckpt_latest = run_dir / "checkpoints" / stage / "latest"
     row = {"kill": i, "stage": stage, "after_step": target, "delay_s": round(delay, 3), "killed": killed,
            "logged_step_at_kill": last_logged_step(run_dir / "run.log", stage),
@@ -177,16 +201,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = a.workspace.resolve()
     reference = run_reference(base, work, a.stage, a.sets, a.threads)
     print(json.dumps({"reference": reference}), flush=True)
-    rng = random.Random(a.seed)
-    rows = []
-    for i in range(a.kills):
-        row = one_kill(base, work, i, a.stage, a.sets, a.threads, reference, rng)
-        rows.append(row)
-        with open(a.out, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
-    print(summarise(rows))
-    return rows
+    return run_kills(a.kills, a.seed, a.out, lambda i, rng: one_kill(base, work, i, a.stage, a.sets, a.threads,
+                                                                     reference, rng), summarise)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf_core.bench.kill_campaign import weights_hash
+from rlhf_core.bench.kill_campaign import run_kills, sigkill_group_after, weights_hash
 from rlhf_core.integrity import MODEL_MANIFEST, check_manifest
 
 MODELS = {"sft": "models/sft", "rm": "models/rm", "actor": "models/actor", "critic": "models/critic"}
@@ -143,16 +143,9 @@ def one_kill(project: Path, work: Path, i: int, reference: dict, rng: random.Ran
     fresh_copy(project, run_dir)
     delay = rng.uniform(from_s, reference["seconds"])
     proc = start(run_dir)
-    try:
-        proc.wait(timeout=delay)
-        killed = False
-        outside: list[int] = []
-    except subprocess.TimeoutExpired:
-        # what runs outside the flow's process group (the stage under DVC, in a session of its own) at the kill
-        outside = [p for p in processes_in(run_dir) if _pgid(p) not in (None, proc.pid)]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        killed = True
+    outside: list[int] = []  # what runs outside the flow's process group at the kill (the stage under DVC)
+    killed = sigkill_group_after(proc, delay, before=lambda: outside.extend(
+        p for p in processes_in(run_dir) if _pgid(p) not in (None, proc.pid)))
     t0 = time.perf_counter()
     stage = stage_running(outside)
     while processes_in(run_dir) and time.perf_counter() - t0 < stop_timeout:
@@ -222,16 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     project = a.project.resolve()
     reference = run_reference(project, work)
     print(json.dumps({"reference": reference}), flush=True)
-    rng = random.Random(a.seed)
-    rows = []
-    for i in range(a.kills):
-        row = one_kill(project, work, i, reference, rng, a.stop_timeout, a.from_s)
-        rows.append(row)
-        with open(a.out, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
-    print(summarise(rows))
-    return rows
+    return run_kills(a.kills, a.seed, a.out, lambda i, rng: one_kill(project, work, i, reference, rng,
+                                                                     a.stop_timeout, a.from_s), summarise)
 
 
 if __name__ == "__main__":

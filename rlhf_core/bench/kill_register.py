@@ -29,7 +29,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from rlhf_core.bench.kill_campaign import run_kills, sigkill_group_after
 
 KINDS = {"actor": "models/actor", "critic": "models/critic", "reward": "models/rm"}
 
@@ -124,13 +125,7 @@ def one_kill(base: Path, out: Path, i: int, uri: str, seconds: float, rng: rando
     kinds = run_dir_for(base, run_dir, prefix)
     delay = rng.uniform(0.0, seconds)
     proc = start(run_dir, uri)
-    try:
-        proc.wait(timeout=delay)
-        killed = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        killed = True
+    killed = sigkill_group_after(proc, delay)
     after_kill = registry_state(prefix, kinds, base)
     rc = start(run_dir, uri).wait()
     after = registry_state(prefix, kinds, base)
@@ -179,16 +174,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"the uninterrupted registration failed; see {ref_dir / 'register.log'}")
     seconds = time.perf_counter() - t0
     print(json.dumps({"reference": {"seconds": round(seconds, 1), "kinds": kinds}}), flush=True)
-    rng = random.Random(a.seed)
-    rows = []
-    for i in range(a.kills):
-        row = one_kill(base, work, i, a.tracking_uri, seconds, rng, tag)
-        rows.append(row)
-        with open(a.out, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
-    print(summarise(rows))
-    return rows
+    return run_kills(a.kills, a.seed, a.out, lambda i, rng: one_kill(base, work, i, a.tracking_uri, seconds, rng,
+                                                                     tag), summarise)
 
 
 if __name__ == "__main__":
