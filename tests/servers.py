@@ -95,15 +95,9 @@ def prefect_server(tmp: Path):
 
 def project_copy(dst: Path, params: dict | None = None) -> Path:
     """A git checkout of this project (tracked + untracked files) with ``params`` merged into params.yaml."""
-    import shutil
+    from rlhf_core.bench.kill_flow import fresh_copy
 
-    dst.mkdir()
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dst / f)
+    fresh_copy(REPO, dst)
     current = yaml.safe_load((dst / "params.yaml").read_text())
 
     def merge(a: dict, b: dict) -> dict:
@@ -112,5 +106,4 @@ def project_copy(dst: Path, params: dict | None = None) -> Path:
         return a
 
     (dst / "params.yaml").write_text(yaml.safe_dump(merge(current, params or {}), sort_keys=False))
-    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     return dst
