@@ -90,9 +90,10 @@ def read_split(root: str | Path, phase: str, eval_split: bool = False, columns: 
 
 
 def input_hashes(root: str | Path, files: list[Path], model_dirs: dict[str, str | Path]) -> dict[str, str]:
-    """sha256 of the data files and of the init model (directory hash, or the HF id when remote)."""
+    """sha256 of the data files (hashed once per process with ``read_prepared_table``'s check) and of the init
+    model (directory hash, or the HF id when remote)."""
     root = Path(root)
-    out = {str(f): file_sha256(root / f) for f in files}
+    out = {str(f): _sha256_once(root / f) for f in files}
     for name, src in model_dirs.items():
         p = Path(src) if Path(src).is_absolute() else root / src
         if p.is_dir():
