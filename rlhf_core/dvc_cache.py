@@ -35,11 +35,8 @@ class CacheReport:
 
 
 def md5_file(path: Path) -> str:
-    h = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, lambda: hashlib.md5(usedforsecurity=False)).hexdigest()
 
 
 def _lock_outs(root: Path) -> list[tuple[str, dict]]:

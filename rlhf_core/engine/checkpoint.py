@@ -105,11 +105,6 @@ def load_state_file(path: str | Path, map_location: Any = None) -> Any:
                                         "checkpoint to start afresh") from None
 
 
-def load_rng_state(path: Path) -> dict[str, Any]:
-    """This rank's RNG state (``load_state_file``)."""
-    return load_state_file(path)
-
-
 def read_deepspeed_files_safely(ds_engine) -> None:
     """Make ``ds_engine.load_checkpoint`` read its files through ``load_state_file``: DeepSpeed's own loader
     unpickles with ``weights_only=False``, i.e. runs whatever a file on shared storage asks it to."""
@@ -235,7 +230,7 @@ class CheckpointManager:
             raise RuntimeError(f"could not load checkpoint {self.dir / tag}")
         rng_file = self.dir / tag / f"rng_rank{D.rank()}.pt"
         if rng_file.exists():
-            set_rng_state(load_rng_state(rng_file))
+            set_rng_state(load_state_file(rng_file))
         return json.loads((self.dir / tag / TRAINER_STATE).read_text())
 
     def _prune(self, keep_tag: str) -> None:

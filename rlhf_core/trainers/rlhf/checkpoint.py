@@ -24,7 +24,6 @@ from rlhf_core.engine import distributed as D
 from rlhf_core.engine.checkpoint import (
     TRAINER_STATE,
     CheckpointManager,
-    load_rng_state,
     load_state_file,
     rng_state,
     set_rng_state,
@@ -61,7 +60,7 @@ class MultiEngineCheckpoint(CheckpointManager):
                 raise RuntimeError(f"could not load the {name} checkpoint from {tag_dir / name}")
         rng_file = tag_dir / f"rng_rank{D.rank()}.pt"
         if rng_file.exists():
-            set_rng_state(load_rng_state(rng_file))
+            set_rng_state(load_state_file(rng_file))
         return json.loads((tag_dir / TRAINER_STATE).read_text())
 
     def load_ema(self, tag: str) -> dict | None:
