@@ -248,6 +248,12 @@ class GRPOConfig(_Section):
     clip_eps: float = Field(0.2, gt=0.0, description="Ratio clip of the GRPO surrogate.")
     scale: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO: centre only).")
+    drop_uniform_groups: bool = Field(
+        False, description="Drop the groups whose G scores are all equal (every advantage 0: only the KL term "
+                           "would train on them) before the reference pass and training, counted as "
+                           "`uniform_dropped` (DAPO's zero-variance filter, without re-sampling). The policy "
+                           "gradient is then averaged over informative tokens only; `kl` and `reward_mean` "
+                           "cover the trained rows, `score_mean` every sample.")
 
 
 class RLHFConfig(OptimConfig):
@@ -299,6 +305,9 @@ class RLHFConfig(OptimConfig):
     whiten_advantages: bool = Field(True, description="PPO: normalise advantages over the experience buffer.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight in the actor loss.")
     ptx_coef: float = Field(0.5, ge=0.0, description="Weight of an SFT (pretraining-mix) loss on sft.parquet.")
+    ptx_batch_size: int = Field(0, ge=0, description="SFT rows of the ptx loss beside each RL micro-batch; 0: "
+                                                    "`micro_batch_size`. A ptx row (prompt and answer) costs "
+                                                    "several response-only rows of a shared-prefix RL batch.")
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0,
                                     description="EMA of the actor weights, saved to models/actor_ema; null: off.")
     no_eos_penalty: float | None = Field(None, description="Score assigned to responses without EOS; null: keep.")

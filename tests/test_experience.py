@@ -83,12 +83,12 @@ PROMPT_MASK = torch.tensor([[0, 1, 1], [1, 1, 1]])
 
 
 def make(script, *, eos=EOS, pad=PAD, algorithm="ppo", n=1, penalty=None, scores=None, critic=True,
-         prompts=PROMPTS, prompt_mask=PROMPT_MASK):
+         prompts=PROMPTS, prompt_mask=PROMPT_MASK, drop_uniform=False):
     actor, ref = ScriptedLM(bigram(0), script), ScriptedLM(bigram(1))
     maker_cfg = MakerConfig(baseline=algo(algorithm, n=n).baseline, samples_per_prompt=n,
                             gen=GenerationConfig(max_new_tokens=4),
                             forward_batch_size=2, need_old_logp=True, need_ref=True, need_values=critic,
-                            no_eos_penalty=penalty)
+                            no_eos_penalty=penalty, drop_uniform_groups=drop_uniform)
     given = scores
 
     def score_fn(prompts_, completions, **_):
@@ -188,6 +188,31 @@ def test_grpo_group_advantages_use_the_full_group_before_dropping():
     assert torch.allclose(out.advantages[:, 0], expected[[0, 2, 3]])
     assert torch.allclose(out.advantages[:, 1], expected[[0, 2, 3]])  # the EOS action gets it too
     assert out.rewards.tolist() == [[0.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
+
+
+def test_uniform_groups_are_dropped_and_counted():
+    """Two groups of 2: scores (1, 1) are uniform (both advantages 0) and go; (1, 0) stays. With the flag off
+    every row stays."""
+    script = torch.tensor([[7, EOS, PAD, PAD], [3, EOS, PAD, PAD], [4, EOS, PAD, PAD], [5, 7, EOS, PAD]])
+    prompts, pmask = PROMPTS[[0, 0, 1, 1]], PROMPT_MASK[[0, 0, 1, 1]]
+    kw = {"algorithm": "grpo", "n": 2, "scores": [1.0, 1.0, 1.0, 0.0], "critic": False, "prompts": prompts,
+          "prompt_mask": pmask}
+    exp, _, _ = make(script, drop_uniform=True, **kw)
+    assert exp.group.tolist() == [1, 1] and exp.responses[:, 0].tolist() == [4, 5]
+    assert exp.info["uniform"] == 2 and exp.info["uniform_score"] == 2.0 and exp.info["uniform_score_sq"] == 2.0
+    assert exp.ref_logp.shape[0] == 2  # the reference pass ran on the kept rows only
+    kept, _, _ = make(script, drop_uniform=False, **kw)
+    assert len(kept) == 4 and kept.info["uniform"] == 0
+    assert kept.baselined[:2].tolist() == [0.0, 0.0]  # what dropping saves: rows with no policy gradient
+
+
+def test_uniform_groups_count_an_empty_row_once():
+    """A uniform group with an empty response: the empty row is counted as empty, the other as uniform."""
+    script = torch.tensor([[EOS, PAD, PAD, PAD], [3, EOS, PAD, PAD], [4, EOS, PAD, PAD], [5, EOS, PAD, PAD]])
+    prompts, pmask = PROMPTS[[0, 0, 1, 1]], PROMPT_MASK[[0, 0, 1, 1]]
+    exp, _, _ = make(script, algorithm="grpo", n=2, scores=[0.0, 0.0, 1.0, 0.0], critic=False, prompts=prompts,
+                     prompt_mask=pmask, drop_uniform=True)
+    assert exp.info["empty"] == 1 and exp.info["uniform"] == 1 and len(exp) == 2
 
 
 def test_all_empty_rows_keep_one_zero_mask_row():

@@ -67,8 +67,9 @@ def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
     trl_metrics = json.loads((out / "trl-s1" / "metrics" / "rlhf.json").read_text())
     assert trl_metrics["framework"].startswith("trl ") and trl_metrics["optimizer_steps"] == 2 * 2  # 16 rows / 8
     main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "ours=rlhf.algorithm=grpo", "trl",
-          "trl_ptx=rlhf.ptx_coef=0.5"])
+          "trl_ptx=rlhf.ptx_coef=0.5,rlhf.grpo.drop_uniform_groups=true"])
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 3  # finished pairs are not re-run; the new variant runs
     assert lines[2]["variant"] == "trl_ptx" and lines[2]["rc"] != 0  # not like for like: refused
-    assert "no equivalent of: rlhf.ptx_coef" in (out / "trl_ptx-s1" / "run.log").read_text()
+    refusal = "no equivalent of: rlhf.ptx_coef, rlhf.grpo.drop_uniform_groups"
+    assert refusal in (out / "trl_ptx-s1" / "run.log").read_text()

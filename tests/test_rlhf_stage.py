@@ -96,12 +96,34 @@ def test_ppo_step_metrics_and_kl_control(ws):
     m = tr.step()
     for key in ("score_mean", "score_std", "reward_mean", "reward_std", "kl", "kl_coef", "entropy", "clipfrac",
                 "approx_kl", "policy_loss", "value_loss", "explained_variance", "response_length", "eos_share",
-                "no_eos_share", "empty_dropped", "t_generate", "t_score", "t_train", "samples_per_s", "train_accuracy"):
+                "no_eos_share", "empty_dropped", "uniform_dropped", "t_generate", "t_score", "t_train", "samples_per_s",
+                "train_accuracy"):
         assert key in m and m[key] == m[key] or key == "explained_variance", key
     assert m["rows"] == 4 and logged and logged[-1][0] == 1
     assert 0 <= m["eos_share"] <= 1 and m["response_length"] > 0
     tr.step()
     assert tr.kl_ctl.value != before  # adaptive: moved towards the target
+
+
+def test_grpo_drops_uniform_groups_but_scores_every_sample(ws):
+    """``grpo.drop_uniform_groups``: groups scored all alike leave training (counted), yet ``score_mean`` still
+    covers every non-empty sample: with the checker as reward the score sum is the number of correct answers."""
+    tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.grpo.drop_uniform_groups=true", "rlhf.num_steps=3")
+    ms = [tr.step() for _ in range(3)]
+    assert sum(m["uniform_dropped"] for m in ms) > 0
+    for m in ms:
+        scored = m["rows"] - m["empty_dropped"]
+        assert m["score_mean"] * scored == pytest.approx(m["train_accuracy"] * m["rows"])
+
+
+def test_ptx_batch_size_sets_the_sft_rows_beside_each_micro_batch(ws):
+    """``rlhf.ptx_batch_size`` rows of sft.parquet per ptx loss; 0 takes ``micro_batch_size``."""
+    for overrides, rows in ((("rlhf.ptx_batch_size=3",), 3), ((), 16)):
+        tr = _trainer(ws, "rlhf.ptx_coef=0.5", *overrides)
+        data, sampler = tr.ptx
+        assert len(sampler.batch(0)) == rows and len(sampler.batch(1)) == rows
+        tr.step()
+        assert tr.state.extra["ptx_micro"] == 1  # one ptx batch beside the iteration's one micro-batch
 
 
 def test_every_iteration_gets_full_prompt_batches_across_epochs(ws):

@@ -15,8 +15,8 @@ The same inputs and budget as ``rlhf stage rlhf`` with ``rlhf.algorithm: grpo`` 
   (0.9, 0.95) and eps as our DeepSpeed config, grad clip, gradient checkpointing as ``compute``;
   ``beta = grpo.beta`` (TRL: k3 in the loss), ``epsilon = grpo.clip_eps``, ``scale_rewards = grpo.scale``,
   temperature, top-p, top-k off, ``max_new_tokens``; TRL's default ``loss_type="dapo"`` (token-level mean, like
-  ours). What TRL has no equivalent of (ptx, entropy bonus, no-EOS penalty, another KL estimator, batches that
-  do not divide the rows) is refused, so a comparison is always like for like.
+  ours). What TRL has no equivalent of (ptx, entropy bonus, no-EOS penalty, another KL estimator, dropping
+  uniform groups, batches that do not divide the rows) is refused, so a comparison is always like for like.
 
 The trained policy is scored by ``rlhf_core.evaluation.heldout_eval`` (greedy held-out accuracy, proxy reward,
 exact KL to the SFT model) and ``metrics/rlhf.json`` is written with the keys ``learning`` reads, so both frameworks are
@@ -67,6 +67,7 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     unmapped = {"rlhf.ptx_coef": cfg.ptx_coef > 0, "rlhf.entropy_coef": cfg.entropy_coef > 0,
                 "rlhf.no_eos_penalty": cfg.no_eos_penalty is not None,
                 "rlhf.grpo.kl_estimator": cfg.grpo.kl_estimator != "k3",
+                "rlhf.grpo.drop_uniform_groups": cfg.grpo.drop_uniform_groups,
                 f"rlhf.micro_batch_size x grad_accum ({per_step}) must divide the {rows} rows": rows % per_step}
     bad = [k for k, v in unmapped.items() if v]
     if bad:

@@ -5,7 +5,8 @@ One generation batch goes through these steps (``ExperienceMaker.make``)::
     prompts (token ids, left-padded) --generate (KV cache, sampling)--> Rollout
       -> score every row with the reward sources (no-EOS rows optionally get ``no_eos_penalty``)
       -> the algorithm's baseline on whole groups (``baselined``: GRPO, RLOO, group mean) on *all* rows
-      -> drop rows whose response is empty (only EOS), counted
+      -> drop rows whose response is empty (only EOS), counted; with ``drop_uniform_groups`` (GRPO) also the
+         groups whose scores are all equal (zero advantage on every row), counted
       -> one pass per model under ``torch.inference_mode()``, logits only over response positions:
          actor old log-probs (unless recorded while sampling), reference log-probs, critic values
 
@@ -182,6 +183,7 @@ class MakerConfig:
     baseline: Callable[[torch.Tensor], torch.Tensor]  # Algorithm.baseline: scores -> baselined scores
     no_eos_penalty: float | None = None
     shared_prefix: bool = False  # log-prob passes compute each group's prompt once
+    drop_uniform_groups: bool = False  # drop groups whose scores are all equal (zero advantage on every row)
 
 
 def _batched(fn, n: int, batch: int):
@@ -242,7 +244,10 @@ class ExperienceMaker:
                 "length_sum": float(lengths.sum()), "correct": correct,
                 "group_std_sum": float(scores.view(-1, n).std(dim=1).sum()) if n > 1 else 0.0,
                 "groups": float(len(prompts))}
-        keep = ~empty
+        uniform = (uniform_groups(scores, n) if cfg.drop_uniform_groups else torch.zeros_like(empty)) & ~empty
+        info |= {"uniform": float(uniform.sum()), "uniform_score": float(scores[uniform].sum()),
+                 "uniform_score_sq": float((scores[uniform] ** 2).sum())}
+        keep = ~empty & ~uniform
         if not keep.any():  # keep one row with a zero action mask so the training passes still run
             keep = torch.zeros_like(keep)
             keep[0] = True
@@ -285,6 +290,15 @@ class ExperienceMaker:
             setattr(exp, k, v.cpu().clone() if v is not None else None)
         if self.critic is not None:
             self.critic.train(critic_training)
+
+
+def uniform_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Rows (``[B]`` bool) of groups whose ``group_size`` scores are all equal: every row's group-relative
+    advantage is 0, so the policy-gradient term gets nothing from them (DAPO's zero-variance groups)."""
+    if group_size < 2:
+        return torch.zeros(scores.shape[0], dtype=torch.bool)
+    g = scores.view(-1, group_size)
+    return (g == g[:, :1]).all(dim=1).repeat_interleave(group_size)
 
 
 def sampled_kl(exp: Experience, kind: str = "k1") -> torch.Tensor:

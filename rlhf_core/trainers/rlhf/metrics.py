@@ -1,7 +1,9 @@
 """The metrics of one RL iteration: named sums over this rank's buffer, all-reduced, then turned into means.
 
 Sums, not means, are reduced so that ranks with different numbers of surviving rows and tokens weigh
-correctly: ``score_mean = sum score / kept rows``, a training statistic is ``sum (stat * tokens) / tokens``,
+correctly: ``score_mean = sum score / scored rows`` (every non-empty sample, including the uniform groups
+that ``rlhf.grpo.drop_uniform_groups`` keeps out of training; ``reward_mean`` and ``kl`` cover the trained
+rows), a training statistic is ``sum (stat * tokens) / tokens``,
 times are means over ranks. ``explained_variance = 1 - Var(R - V) / Var(R)`` over valid tokens.
 """
 
@@ -33,9 +35,14 @@ def buffer_sums(exp: Experience, kl_metric: str) -> dict[str, float]:
     zero = torch.zeros(())
     scores = torch.where(kept, exp.scores, zero)
     seq_reward = torch.where(mask, exp.rewards, zero).sum(dim=1)
-    sums = {k: float(exp.info[k]) for k in ("rows", "empty", "no_eos", "length_sum", "correct", "group_std_sum",
-                                            "groups", "t_generate", "t_score")}
-    sums |= {"kept": float(kept.sum()), "score": float(scores.sum()), "score_sq": float((scores ** 2).sum()),
+    info = exp.info
+    sums = {k: float(info[k]) for k in ("rows", "empty", "no_eos", "length_sum", "correct", "group_std_sum",
+                                        "groups", "t_generate", "t_score", "uniform")}
+    # score_mean / score_std cover every non-empty sample, trained on or dropped as a uniform group
+    sums |= {"kept": float(kept.sum()),
+             "score": float(scores.sum()) + info["uniform_score"],
+             "score_sq": float((scores ** 2).sum()) + info["uniform_score_sq"],
+             "scored": float(kept.sum()) + info["uniform"],
              "reward": float(seq_reward.sum()), "reward_sq": float((seq_reward ** 2).sum()),
              "kl": float(sampled_kl(exp, kl_metric).sum())}
     if exp.values is not None and exp.returns is not None:
@@ -56,12 +63,13 @@ def iteration_metrics(sums: dict[str, float], train: dict[str, float], world: in
     (``{stat: sum of stat * tokens}`` + ``tokens``), as logged each iteration. ``judged``: the checker
     scored the samples (``judge_score``); ``grouped``: several samples per prompt (``group_reward_std``)."""
     s = sums
-    kept, rows = max(s["kept"], 1.0), s["rows"]
+    kept, scored, rows = max(s["kept"], 1.0), max(s["scored"], 1.0), s["rows"]
     t = {k: s[k] / world for k in TIMES}
-    m = {"score_mean": s["score"] / kept, "score_std": _std(s["score"], s["score_sq"], kept),
+    m = {"score_mean": s["score"] / scored, "score_std": _std(s["score"], s["score_sq"], scored),
          "reward_mean": s["reward"] / kept, "reward_std": _std(s["reward"], s["reward_sq"], kept),
          "kl": s["kl"] / kept, "response_length": s["length_sum"] / rows, "eos_share": 1 - s["no_eos"] / rows,
-         "no_eos_share": s["no_eos"] / rows, "empty_dropped": s["empty"], "no_eos": s["no_eos"], "rows": rows,
+         "no_eos_share": s["no_eos"] / rows, "empty_dropped": s["empty"], "uniform_dropped": s["uniform"],
+         "no_eos": s["no_eos"], "rows": rows,
          **t, "samples_per_s": rows / t["t_step"] if t["t_step"] > 0 else 0.0}
     if judged:  # the judge (checker) on the same sampled responses the proxy scored
         m["train_accuracy"] = m["judge_score"] = s["correct"] / rows
@@ -104,5 +112,6 @@ def curve_summary(state: TrainState) -> dict:
         "train_kl_last": avg(tail, "kl"), "samples_per_s": avg(curve, "samples_per_s"),
         **{f"time_{k}_s": sum(r[f"t_{k}"] for r in curve) for k in ("generate", "score", "train")},
         "train_time_s": round(state.train_time_s, 3), "empty_dropped_total": totals.get("empty_dropped", 0.0),
+        "uniform_dropped_total": totals.get("uniform_dropped", 0.0),
         "no_eos_total": totals.get("no_eos", 0.0), "rows_total": totals.get("rows", 0.0),
     }

@@ -110,7 +110,7 @@ class RLHFTrainer:
         self.ptx = None
         if cfg.ptx_coef > 0:
             data = load_ptx(params, root, tok)
-            plan = StepPlan(len(data), cfg.micro_batch_size, 1, self.world, epochs=1 << 20)
+            plan = StepPlan(len(data), cfg.ptx_batch_size or cfg.micro_batch_size, 1, self.world, epochs=1 << 20)
             self.ptx = (data, ResumableSampler(plan, params.project.seed + 1, self.rank))
 
         # ---- models: actor (trained), reference (frozen), critic (PPO/GAE)
@@ -145,7 +145,8 @@ class RLHFTrainer:
                         forward_batch_size=cfg.micro_batch_size * cfg.grad_accum,
                         need_old_logp=alg.kl_in_reward or not one_step_per_buffer,
                         need_ref=alg.needs_reference, need_values=alg.critic, baseline=alg.baseline,
-                        no_eos_penalty=cfg.no_eos_penalty, shared_prefix=self.shared_prefix),
+                        no_eos_penalty=cfg.no_eos_penalty, shared_prefix=self.shared_prefix,
+                        drop_uniform_groups=cfg.algorithm == "grpo" and cfg.grpo.drop_uniform_groups),
             device=self.device)
         if alg.adaptive_kl:
             self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -305,7 +306,7 @@ class RLHFTrainer:
         state.step += 1
         state.train_time_s += m["t_step"]
         totals = state.extra["totals"]
-        for k in ("rows", "empty_dropped", "no_eos"):
+        for k in ("rows", "empty_dropped", "uniform_dropped", "no_eos"):
             totals[k] = totals.get(k, 0.0) + m[k]
         state.curve.append({"step": state.step} | {k: round(m[src], 6) for k, src in CURVE_KEYS.items()})
         state.extra["kl_ctl"] = self.kl_ctl.state_dict()
