@@ -42,6 +42,10 @@ class DemoDataConfig(_Section):
                                          description="Arithmetic operators used by the demo task.")
     wrong_share: float = Field(0.3, ge=0.0, lt=1.0,
                                description="Share of SFT demonstrations that carry a wrong answer.")
+    slip_share: float = Field(0.0, ge=0.0, le=1.0,
+                              description="Share of questions whose every demonstration carries the same wrong "
+                                          "answer (correct + 10) while their preference pairs reject it: what "
+                                          "imitation cannot learn and the reward model can teach.")
 
 
 class ColumnMap(_Section):

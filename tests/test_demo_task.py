@@ -44,3 +44,37 @@ def test_reward_registry():
         get_reward_fn("nope")
     with pytest.raises(ValueError, match="needs an `answer` column"):
         get_reward_fn("exact_answer")([""], [" 1"])
+
+
+def test_slipped_questions_are_always_demonstrated_wrong_and_their_pairs_reject_the_slip():
+    plain = generate(600, max_operand=9, ops=["+", "-"], wrong_share=0.3, seed=3)
+    slipping = generate(600, max_operand=9, ops=["+", "-"], wrong_share=0.3, seed=3, slip_share=0.3)
+    assert [r["prompt"] for r in plain] == [r["prompt"] for r in slipping]  # the same rows, whatever the share
+    by_question: dict[str, list[dict]] = {}
+    for r in slipping:
+        by_question.setdefault(r["prompt"], []).append(r)
+    slipped = {q for q, rows in by_question.items() if all(r["response"] == f" {int(r['answer']) + 10}" for r in rows)}
+    assert 0.15 < len(slipped) / len(by_question) < 0.45  # about slip_share of the questions
+    for q, rows in by_question.items():
+        for r in rows:
+            assert check_answer(r["chosen"], r["answer"])  # the preferences always know the answer
+            if q in slipped:
+                assert r["rejected"] == r["response"] == f" {int(r['answer']) + 10}"
+    unslipped = [r for q, rows in by_question.items() if q not in slipped for r in rows]
+    right = sum(check_answer(r["response"], r["answer"]) for r in unslipped) / len(unslipped)
+    assert 0.6 < right < 0.8  # the other questions keep wrong_share's mix
+    assert plain == generate(600, max_operand=9, ops=["+", "-"], wrong_share=0.3, seed=3, slip_share=0.0)
+
+
+def test_slip_split_sorts_prompts_by_their_question():
+    from rlhf_core.bench.slip_split import split_by_slip
+    from rlhf_core.rewards.demo_task import render_prompt, slipped
+
+    questions = [f"{a} + {b}" for a in range(10) for b in range(10)]
+    prompts = [render_prompt(f"What is {q}?") for q in questions]
+    slip, rest = split_by_slip(prompts, 0.3, seed=5)
+    assert sorted(slip + rest) == list(range(100)) and 10 < len(slip) < 50
+    assert all(slipped(questions[i], 0.3, 5) for i in slip) and not any(slipped(questions[i], 0.3, 5) for i in rest)
+    assert split_by_slip(prompts, 0.0, seed=5) == ([], list(range(100)))
+    with pytest.raises(ValueError, match="prompt 1 is not a demo question"):
+        split_by_slip([prompts[0], "Human: hello\n\nAssistant:"], 0.3, seed=5)

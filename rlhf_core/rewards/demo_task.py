@@ -4,7 +4,9 @@ A prompt asks ``What is 7 + 5?`` in the DeepSpeed-Chat ``Human: ... Assistant:``
 form; the reference answer is the integer result.  SFT demonstrations are of
 deliberately mixed quality (``wrong_share`` of them carry a plausible wrong
 answer) so a reward model and RL have headroom above SFT; preference pairs
-contrast the correct answer with a plausible wrong one.
+contrast the correct answer with a plausible wrong one. With ``slip_share``,
+some questions are demonstrated wrong every time (the same slip), so only the
+preference pairs know their answer.
 """
 
 from __future__ import annotations
@@ -50,8 +52,20 @@ def _wrong_answer(rng: random.Random, correct: int) -> int:
     return candidate if candidate >= 0 else correct + rng.choice([1, 2, 3])
 
 
-def generate(n_rows: int, max_operand: int, ops: list[str], wrong_share: float, seed: int) -> list[dict]:
-    """Deterministic rows with every canonical field: prompt, response, chosen, rejected, answer."""
+def slipped(question: str, slip_share: float, seed: int) -> bool:
+    """Whether ``question`` is one whose demonstrations all carry the slip (a fixed draw per question and seed,
+    independent of the row order)."""
+    return slip_share > 0 and random.Random(f"slip-{seed}-{question}").random() < slip_share
+
+
+def generate(n_rows: int, max_operand: int, ops: list[str], wrong_share: float, seed: int,
+             slip_share: float = 0.0) -> list[dict]:
+    """Deterministic rows with every canonical field: prompt, response, chosen, rejected, answer.
+
+    ``slip_share`` of the *questions* get a systematic error: every demonstration of such a question answers
+    ``correct + 10`` (a carry slip), and its preference pair rejects exactly that answer. Imitation then learns
+    the slip, and only the preferences can correct it. The rows drawn are the same for any ``slip_share``.
+    """
     rng = random.Random(seed)
     rows = []
     for i in range(n_rows):
@@ -62,6 +76,8 @@ def generate(n_rows: int, max_operand: int, ops: list[str], wrong_share: float, 
         correct = a + b if op == "+" else a - b
         wrong = _wrong_answer(rng, correct)
         demo = wrong if rng.random() < wrong_share else correct
+        if slipped(f"{a} {op} {b}", slip_share, seed):
+            wrong = demo = correct + 10
         rows.append({
             "id": f"demo-{i}",
             "prompt": render_prompt(f"What is {a} {op} {b}?"),

@@ -146,7 +146,8 @@ def load_raw(params: Params, dropped: Counter) -> dict[str, list[tuple[str, dict
     drop = data.on_malformed == "drop"
     if data.source == "demo":
         d = data.demo
-        rows = demo_task.generate(d.n_rows, d.max_operand, list(d.ops), d.wrong_share, params.project.seed)
+        rows = demo_task.generate(d.n_rows, d.max_operand, list(d.ops), d.wrong_share, params.project.seed,
+                                  d.slip_share)
         return {"mixed": [(r["id"], r, "prompt_response", "demo") for r in rows]}
     if data.source == "mixed":
         if not data.sources:
