@@ -108,7 +108,11 @@ def test_ppo_step_metrics_and_kl_control(ws):
 def test_grpo_drops_uniform_groups_but_scores_every_sample(ws):
     """``grpo.drop_uniform_groups``: groups scored all alike leave training (counted), yet ``score_mean`` still
     covers every non-empty sample: with the checker as reward the score sum is the number of correct answers."""
+    from rlhf_core.trainers.rlhf.algorithms import algorithm_for
+
+    assert not algorithm_for(params("rlhf.grpo.drop_uniform_groups=true").rlhf).drop_uniform_groups  # GRPO's key
     tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.grpo.drop_uniform_groups=true", "rlhf.num_steps=3")
+    assert tr.maker.cfg.drop_uniform_groups
     ms = [tr.step() for _ in range(3)]
     assert sum(m["uniform_dropped"] for m in ms) > 0
     for m in ms:

@@ -53,6 +53,7 @@ class Algorithm:
     baseline: Baseline
     advantages: Advantages
     loss: ActorLossConfig
+    drop_uniform_groups: bool = False  # groups scored all alike (every advantage 0) leave the buffer (GRPO)
 
     @property
     def needs_reference(self) -> bool:
@@ -68,7 +69,8 @@ def algorithm_for(cfg: RLHFConfig) -> Algorithm:
                          baseline=partial(group_advantages, group_size=n, scale=g.scale),
                          advantages=grpo_advantages,
                          loss=ActorLossConfig(clip_eps=g.clip_eps, kl_in_loss=g.beta > 0, kl_estimator=g.kl_estimator,
-                                              entropy_coef=cfg.entropy_coef, temperature=cfg.temperature))
+                                              entropy_coef=cfg.entropy_coef, temperature=cfg.temperature),
+                         drop_uniform_groups=g.drop_uniform_groups)
     p = cfg.ppo
     centred = partial(group_advantages, group_size=n, scale="none")
     score_baseline = centred if p.score_baseline == "group_mean" else _identity

@@ -146,7 +146,7 @@ class RLHFTrainer:
                         need_old_logp=alg.kl_in_reward or not one_step_per_buffer,
                         need_ref=alg.needs_reference, need_values=alg.critic, baseline=alg.baseline,
                         no_eos_penalty=cfg.no_eos_penalty, shared_prefix=self.shared_prefix,
-                        drop_uniform_groups=cfg.algorithm == "grpo" and cfg.grpo.drop_uniform_groups),
+                        drop_uniform_groups=alg.drop_uniform_groups),
             device=self.device)
         if alg.adaptive_kl:
             self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
