@@ -68,7 +68,7 @@ def test_slipped_questions_are_always_demonstrated_wrong_and_their_pairs_reject_
 
 def test_slip_split_sorts_prompts_by_their_question():
     from rlhf_core.bench.slip_split import split_by_slip
-    from rlhf_core.rewards.demo_task import render_prompt, slipped
+    from rlhf_core.rewards.demo_task import question_of, render_prompt, slipped
 
     questions = [f"{a} + {b}" for a in range(10) for b in range(10)]
     prompts = [render_prompt(f"What is {q}?") for q in questions]
@@ -76,5 +76,6 @@ def test_slip_split_sorts_prompts_by_their_question():
     assert sorted(slip + rest) == list(range(100)) and 10 < len(slip) < 50
     assert all(slipped(questions[i], 0.3, 5) for i in slip) and not any(slipped(questions[i], 0.3, 5) for i in rest)
     assert split_by_slip(prompts, 0.0, seed=5) == ([], list(range(100)))
+    assert question_of(prompts[23]) == "2 + 3" and question_of("Human: hello\n\nAssistant:") is None
     with pytest.raises(ValueError, match="prompt 1 is not a demo question"):
         split_by_slip([prompts[0], "Human: hello\n\nAssistant:"], 0.3, seed=5)

@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
-
-_QUESTION = re.compile(r"What is (\d+ [+-] \d+)\?")
 
 
 def split_by_slip(prompts: list[str], slip_share: float, seed: int) -> tuple[list[int], list[int]]:
     """Indices of the slipped and of the other prompts (``demo_task.slipped`` on each prompt's question)."""
-    from rlhf_core.rewards.demo_task import slipped
+    from rlhf_core.rewards.demo_task import question_of, slipped
 
     flags = []
     for i, p in enumerate(prompts):
-        m = _QUESTION.search(p)
-        if m is None:
+        question = question_of(p)
+        if question is None:
             raise ValueError(f"prompt {i} is not a demo question: {p!r}")
-        flags.append(slipped(m.group(1), slip_share, seed))
+        flags.append(slipped(question, slip_share, seed))
     return [i for i, f in enumerate(flags) if f], [i for i, f in enumerate(flags) if not f]
 
 

@@ -15,11 +15,18 @@ import random
 import re
 
 _ANSWER_RE = re.compile(r"\s*(-?\d+)\s*")
+_QUESTION_RE = re.compile(r"What is (\d+ [+-] \d+)\?")
 
 
 def render_prompt(question: str) -> str:
     """DeepSpeed-Chat style prompt: ``Human: {question}\\n\\nAssistant:``."""
     return f"Human: {question}\n\nAssistant:"
+
+
+def question_of(prompt: str) -> str | None:
+    """The ``a op b`` of a prompt made by ``render_prompt(f"What is {a op b}?")``, or None for any other prompt."""
+    m = _QUESTION_RE.search(prompt)
+    return m.group(1) if m else None
 
 
 def render_answer(value: int | str) -> str:
@@ -76,11 +83,12 @@ def generate(n_rows: int, max_operand: int, ops: list[str], wrong_share: float, 
         correct = a + b if op == "+" else a - b
         wrong = _wrong_answer(rng, correct)
         demo = wrong if rng.random() < wrong_share else correct
-        if slipped(f"{a} {op} {b}", slip_share, seed):
+        question = f"{a} {op} {b}"
+        if slipped(question, slip_share, seed):
             wrong = demo = correct + 10
         rows.append({
             "id": f"demo-{i}",
-            "prompt": render_prompt(f"What is {a} {op} {b}?"),
+            "prompt": render_prompt(f"What is {question}?"),
             "response": render_answer(demo),
             "chosen": render_answer(correct),
             "rejected": render_answer(wrong),
