@@ -44,8 +44,9 @@ class DemoDataConfig(_Section):
                                description="Share of SFT demonstrations that carry a wrong answer.")
     slip_share: float = Field(0.0, ge=0.0, le=1.0,
                               description="Share of questions whose every demonstration carries the same wrong "
-                                          "answer (correct + 10) while their preference pairs reject it: what "
-                                          "imitation cannot learn and the reward model can teach.")
+                                          "answer (correct + 10) while their preference pairs prefer the correct "
+                                          "answer (half of them over the slip, half over a neighbouring wrong "
+                                          "answer): what imitation cannot learn and the reward model can teach.")
 
 
 class ColumnMap(_Section):

@@ -46,7 +46,7 @@ def test_reward_registry():
         get_reward_fn("exact_answer")([""], [" 1"])
 
 
-def test_slipped_questions_are_always_demonstrated_wrong_and_their_pairs_reject_the_slip():
+def test_slipped_questions_are_always_demonstrated_wrong_and_half_their_pairs_reject_the_slip():
     plain = generate(600, max_operand=9, ops=["+", "-"], wrong_share=0.3, seed=3)
     slipping = generate(600, max_operand=9, ops=["+", "-"], wrong_share=0.3, seed=3, slip_share=0.3)
     assert [r["prompt"] for r in plain] == [r["prompt"] for r in slipping]  # the same rows, whatever the share
@@ -55,11 +55,12 @@ def test_slipped_questions_are_always_demonstrated_wrong_and_their_pairs_reject_
         by_question.setdefault(r["prompt"], []).append(r)
     slipped = {q for q, rows in by_question.items() if all(r["response"] == f" {int(r['answer']) + 10}" for r in rows)}
     assert 0.15 < len(slipped) / len(by_question) < 0.45  # about slip_share of the questions
-    for q, rows in by_question.items():
-        for r in rows:
-            assert check_answer(r["chosen"], r["answer"])  # the preferences always know the answer
-            if q in slipped:
-                assert r["rejected"] == r["response"] == f" {int(r['answer']) + 10}"
+    slip_pairs = [r["rejected"] == r["response"] for r in slipping if r["prompt"] in slipped]
+    for p, r in zip(plain, slipping, strict=True):
+        assert check_answer(r["chosen"], r["answer"])  # the preferences always know the answer
+        if r["prompt"] in slipped:  # the pair rejects the slip itself, or the neighbour it rejects unslipped
+            assert r["rejected"] in (r["response"], p["rejected"])
+    assert 0.35 < sum(slip_pairs) / len(slip_pairs) < 0.65
     unslipped = [r for q, rows in by_question.items() if q not in slipped for r in rows]
     right = sum(check_answer(r["response"], r["answer"]) for r in unslipped) / len(unslipped)
     assert 0.6 < right < 0.8  # the other questions keep wrong_share's mix

@@ -1,8 +1,9 @@
 """``python -m rlhf_core.bench.slip_split RUN_DIR...``: held-out accuracy split by what imitation can learn.
 
 With ``data.demo.slip_share`` > 0 the demo's questions fall in two sets: *slipped* questions, whose every SFT
-demonstration carries the same wrong answer (correct + 10) and whose preference pairs reject it, and the rest.
-On the first set only the preferences (the reward model) know the answer; on the second, imitation does too.
+demonstration carries the same wrong answer (correct + 10) and whose preference pairs prefer the correct
+answer, and the rest. On the first set only the preferences (the reward model) know the answer; on the second,
+imitation does too.
 For each run directory of ``rlhf_core.bench.learning`` this prints the greedy held-out accuracy of the SFT start
 and of the trained actor on both sets, judged by the task's checker (``rlhf_core.evaluation.heldout_eval``),
 one JSON line per run.

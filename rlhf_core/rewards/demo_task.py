@@ -70,8 +70,10 @@ def generate(n_rows: int, max_operand: int, ops: list[str], wrong_share: float, 
     """Deterministic rows with every canonical field: prompt, response, chosen, rejected, answer.
 
     ``slip_share`` of the *questions* get a systematic error: every demonstration of such a question answers
-    ``correct + 10`` (a carry slip), and its preference pair rejects exactly that answer. Imitation then learns
-    the slip, and only the preferences can correct it. The rows drawn are the same for any ``slip_share``.
+    ``correct + 10`` (a carry slip); half of its preference pairs reject exactly that answer, the others a
+    plausible wrong answer as for any question (so the pairs rank the correct answer above its neighbours too,
+    not only above the slip). Imitation then learns the slip, and only the preferences can correct it. The rows
+    drawn are the same for any ``slip_share``.
     """
     rng = random.Random(seed)
     rows = []
@@ -85,7 +87,9 @@ def generate(n_rows: int, max_operand: int, ops: list[str], wrong_share: float, 
         demo = wrong if rng.random() < wrong_share else correct
         question = f"{a} {op} {b}"
         if slipped(question, slip_share, seed):
-            wrong = demo = correct + 10
+            demo = correct + 10
+            if random.Random(f"slip-pair-{seed}-{i}").random() < 0.5:
+                wrong = demo
         rows.append({
             "id": f"demo-{i}",
             "prompt": render_prompt(f"What is {question}?"),
