@@ -213,6 +213,12 @@ class RMConfig(EpochConfig):
     lr: float = Field(1e-3, gt=0.0)
     epochs: int = Field(16, ge=1, description="Passes over the preference pairs.")
     save_every: int = Field(200, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
+    ensemble: int = Field(
+        1, ge=1, le=16, description="Reward models trained on the same pairs with the same settings, member k with "
+                                    "seed `project.seed + k`; the reward (`rlhf.reward_fns: rm`) is then their "
+                                    "mean standardised score (docs/rlhf.md). Members 1.. are saved in "
+                                    "`models/rm/members/<k>`, listed in `models/rm/ensemble.json`. Costs K times "
+                                    "the RM training and the RM scoring in RL.")
     judge: bool = Field(
         False, description="Also train a judge reward model, same settings, on the held-out pairs (`eval_pairs`, "
                            "never seen by the proxy RM) into `models/judge`; its held-out accuracy is measured on "

@@ -141,3 +141,48 @@ def test_judge_rm_trains_on_the_pairs_the_proxy_never_saw(ws):
     judge_fn = Judge("auto", None, None, ws)  # no answers: the judge RM
     assert judge_fn.source == "model:models/judge"
     assert judge_fn(["Human: What is 1 + 2?\n\nAssistant:"], [" 3"]).shape == (1,)
+
+
+def test_rm_ensemble_trains_seeded_members_and_scores_their_standardised_mean(ws):
+    """rm.ensemble=2: member 1 (seed + 1) beside the proxy in models/rm/members/1, ensemble.json with each
+    member's centre and scale, the ensemble's held-out accuracy in metrics/rm.json; the reward the RL stage
+    loads is the mean of the standardised member scores, computed here by hand from the members."""
+    from rlhf_core.models import EnsembleScorer, RewardScorer
+    from rlhf_core.rewards.sources import RewardSources
+    from rlhf_core.trainers.rm import train_rm
+
+    logged = []
+    m = train_rm(tiny_params("rm.epochs=4", "rm.ensemble=2"), ws, lambda metrics, step: logged.append(metrics))
+    rm_dir = ws / "models" / "rm"
+    spec = json.loads((rm_dir / "ensemble.json").read_text())["members"]
+    assert [s["path"] for s in spec] == [".", "members/1"]
+    assert [s["seed"] for s in spec] == [1234, 1235] and all(s["scale"] > 0 for s in spec)
+    assert json.loads((rm_dir / "members/1/rlhf_meta.json").read_text())["ensemble_member"] == 1
+    assert json.loads((ws / "metrics/rm.json").read_text()) == m
+    assert m["ensemble_size"] == 2 and m["member_accuracy"][0] == m["accuracy"] and 0.5 < m["ensemble_accuracy"] <= 1
+    assert any("member1.accuracy" in x for x in logged) and any("ensemble_accuracy" in x for x in logged)
+    from safetensors.torch import load_file
+
+    # the members differ: another seed gave another head initialisation and batch order
+    assert not torch.equal(load_file(rm_dir / "value_head.safetensors")["weight"],
+                           load_file(rm_dir / "members/1/value_head.safetensors")["weight"])
+
+    prompts, responses = ["Human: What is 1 + 2?\n\nAssistant:"] * 3, [" 3", " 4", " 13"]
+    s0 = RewardScorer.from_pretrained(rm_dir, device="cpu").score_responses(prompts, responses)
+    s1 = RewardScorer.from_pretrained(rm_dir / "members/1", device="cpu").score_responses(prompts, responses)
+    by_hand = ((s0 - spec[0]["center"]) / spec[0]["scale"] + (s1 - spec[1]["center"]) / spec[1]["scale"]) / 2
+    sources = RewardSources({"rm": 1.0}, rm_dir)
+    assert isinstance(sources.rm, EnsembleScorer)
+    torch.testing.assert_close(sources(prompts, responses), by_hand, atol=1e-5, rtol=1e-5)
+
+
+def test_a_broken_ensemble_file_is_an_error_naming_it(tmp_path):
+    from rlhf_core.models import EnsembleScorer, load_scorer
+
+    (tmp_path / "ensemble.json").write_text(json.dumps({"members": [{"path": ".", "center": 0.0}]}))
+    with pytest.raises(ValueError, match=r"ensemble.json: not an ensemble file .*'scale'"):
+        load_scorer(tmp_path)
+    with pytest.raises(ValueError, match="one center and one scale per member"):
+        EnsembleScorer([object()], [0.0, 1.0], [1.0])
+    with pytest.raises(ValueError, match="scales must be > 0"):
+        EnsembleScorer([object()], [0.0], [0.0])

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from rlhf_core import paths
-from rlhf_core.integrity import verify_model_dir
 from rlhf_core.config import ComputeConfig, LoraConfig, Params
 from rlhf_core.engine.errors import TrainingInputError
+from rlhf_core.integrity import verify_model_dir
 from rlhf_core.models.value_head import ValueHeadModel
 
 ADAPTER_DIR = "adapter"

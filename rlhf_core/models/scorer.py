@@ -70,3 +70,66 @@ class RewardScorer:
         seqs = encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>",
                                 keep_eos=True)
         return self._score_ragged(seqs.tokens)
+
+
+ENSEMBLE_FILE = "ensemble.json"  # in models/rm when rm.ensemble > 1: the members and their standardisation
+MEMBERS_DIR = "members"  # models/rm/members/<k>: members 1..K-1 (member 0 is models/rm itself)
+
+
+class EnsembleScorer:
+    """The mean standardised score of K reward models (``rm.ensemble``; the mean objective of Coste et al. 2024,
+    "Reward Model Ensembles Help Mitigate Overoptimization")::
+
+        s(x, y) = 1/K sum_k (s_k(x, y) - c_k) / a_k
+
+    ``c_k`` and ``a_k`` are member k's mean and std score over the held-out pairs' chosen and rejected responses
+    (``models/rm/ensemble.json``). A Bradley-Terry score has an arbitrary offset and scale per model; standardising
+    puts the members on one footing before they are averaged. Same scoring API as :class:`RewardScorer`.
+    """
+
+    def __init__(self, members: Sequence[RewardScorer], center: Sequence[float], scale: Sequence[float]):
+        if not members or not len(members) == len(center) == len(scale):
+            raise ValueError(f"an ensemble needs one center and one scale per member: {len(members)} members, "
+                             f"{len(center)} centers, {len(scale)} scales")
+        if min(scale) <= 0:
+            raise ValueError(f"ensemble member scales must be > 0, got {list(scale)}")
+        self.members = list(members)
+        self.center = torch.tensor(center, dtype=torch.float).unsqueeze(1)
+        self.scale = torch.tensor(scale, dtype=torch.float).unsqueeze(1)
+        self.tokenizer = self.members[0].tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device | None = None, batch_size: int = 32,
+                        trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> EnsembleScorer:
+        """Load the ensemble that ``path / ensemble.json`` lists (member paths relative to ``path``)."""
+        import json
+
+        spec_file = Path(path) / ENSEMBLE_FILE
+        try:
+            members = json.loads(spec_file.read_text())["members"]
+            paths, center, scale = ([m[key] for m in members] for key in ("path", "center", "scale"))
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{spec_file}: not an ensemble file (a `members` list of path/center/scale): "
+                             f"{err!r}") from err
+        scorers = [RewardScorer.from_pretrained(Path(path) / p, device=device, batch_size=batch_size,
+                                                trust_remote_code=trust_remote_code, dtype=dtype) for p in paths]
+        return cls(scorers, center, scale)
+
+    def _combine(self, per_member: list[torch.Tensor]) -> torch.Tensor:
+        return ((torch.stack(per_member) - self.center) / self.scale).mean(dim=0)
+
+    def score_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self._combine([m.score_tokens(input_ids, attention_mask) for m in self.members])
+
+    def score(self, texts: Sequence[str]) -> torch.Tensor:
+        return self._combine([m.score(texts) for m in self.members])
+
+    def score_responses(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        return self._combine([m.score_responses(prompts, responses) for m in self.members])
+
+
+def load_scorer(path: str | Path, **kwargs) -> RewardScorer | EnsembleScorer:
+    """``models/rm``'s scorer: the ensemble when the directory holds ``ensemble.json``, else the single RM."""
+    if (Path(path) / ENSEMBLE_FILE).is_file():
+        return EnsembleScorer.from_pretrained(path, **kwargs)
+    return RewardScorer.from_pretrained(path, **kwargs)

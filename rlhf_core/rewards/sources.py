@@ -2,9 +2,10 @@
 
 ``rlhf.reward_fns`` maps a source name to its weight; the score of a completion
 is ``sum_k w_k * source_k(prompt, completion)``.  ``rm`` scores ``prompt +
-completion`` with the reward model in ``models/rm`` (re-tokenised from text,
-so an RM with a different tokenizer than the actor works; with
-``rm_tokenizer_mismatch: error`` a mismatch is refused instead).
+completion`` with the reward model in ``models/rm`` (with ``rm.ensemble``, the
+mean standardised score of its members), re-tokenised from text, so an RM with
+a different tokenizer than the actor works; with ``rm_tokenizer_mismatch:
+error`` a mismatch is refused instead.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def same_tokenizer(a, b) -> bool:
 
 
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu"):
-    """The trained RM's scorer (``score(texts) -> Tensor[B]``)."""
-    from rlhf_core.models import RewardScorer
+    """The trained RM's scorer (``score(texts) -> Tensor[B]``): the ensemble's mean when ``rm.ensemble`` > 1."""
+    from rlhf_core.models import load_scorer
 
-    return RewardScorer.from_pretrained(path, device=device)
+    return load_scorer(path, device=device)

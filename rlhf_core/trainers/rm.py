@@ -36,6 +36,7 @@ from rlhf_core.models.loading import (
     load_training_tokenizer,
     save_value_model,
 )
+from rlhf_core.models.scorer import MEMBERS_DIR
 from rlhf_core.trainers.common import (
     build_engine,
     checkpoints_for,
@@ -78,11 +79,12 @@ def make_rm_loss(loss_kind: str, margin: float):
 
 @torch.no_grad()
 def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, margin: float = 0.0) -> dict[str, float]:
-    """Pairwise accuracy, mean chosen / rejected scores, mean margin and loss over ``data`` (all ranks)."""
+    """Pairwise accuracy, mean chosen / rejected scores, mean margin and loss over ``data`` (all ranks), and
+    ``score_std``: the std of the scores over every chosen and rejected response (an ensemble's scale)."""
     was_training = model.training
     model.eval()
     idx, weight = shard_for_eval(len(data))
-    sums = torch.zeros(6, dtype=torch.float64)  # correct, chosen, rejected, diff, loss, n
+    sums = torch.zeros(7, dtype=torch.float64)  # correct, chosen, rejected, diff, loss, n, squared scores
     for i in range(0, len(idx), batch_size):
         batch = collate_pairs(data, idx[i:i + batch_size], pad_id)
         scores = model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores.double().cpu()
@@ -90,12 +92,14 @@ def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, marg
         w = weight[i:i + batch_size].double()
         per_pair_loss = -torch.nn.functional.logsigmoid(c - r - margin)
         sums += torch.stack([((c > r).double() * w).sum(), (c * w).sum(), (r * w).sum(), ((c - r) * w).sum(),
-                             (per_pair_loss * w).sum(), w.sum()])
+                             (per_pair_loss * w).sum(), w.sum(), ((c ** 2 + r ** 2) * w).sum()])
     model.train(was_training)
     sums = D.all_reduce_sum(sums)
     n = float(sums[5].clamp(min=1))
+    mean = float(sums[1] + sums[2]) / (2 * n)
     return {"accuracy": float(sums[0]) / n, "chosen_mean": float(sums[1]) / n, "rejected_mean": float(sums[2]) / n,
-            "margin_mean": float(sums[3]) / n, "eval_loss": float(sums[4]) / n}
+            "margin_mean": float(sums[3]) / n, "eval_loss": float(sums[4]) / n,
+            "score_std": max(float(sums[6]) / (2 * n) - mean ** 2, 0.0) ** 0.5}
 
 
 @dataclass(frozen=True)
@@ -105,10 +109,16 @@ class RMRole:
     stage: str  # names the checkpoints, metrics and plot files
     model_dir: Path
     trains_on_eval_split: bool
+    member: int = 0  # rm.ensemble: the member's index (its seed is project.seed + member)
 
 
 PROXY = RMRole(STAGE, paths.RM_MODEL, False)
 JUDGE = RMRole(f"{STAGE}_judge", paths.JUDGE_MODEL, True)
+
+
+def member_role(k: int) -> RMRole:
+    """Ensemble member ``k >= 1``: the proxy's pairs and settings, into ``models/rm/members/<k>``."""
+    return RMRole(f"{STAGE}_member{k}", paths.RM_MODEL / MEMBERS_DIR / str(k), False, member=k)
 
 
 def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, hooks: Hooks | None = None) -> dict:
@@ -117,6 +127,8 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     from rlhf_core.config import for_round
 
     metrics = fit_reward_model(for_round(params), Path(root), PROXY, log, hooks)
+    if params.rm.ensemble > 1:
+        metrics = fit_ensemble(for_round(params), Path(root), metrics, log, hooks)
     if params.rm.judge:
         judge_log = None if log is None else (lambda m, step: log({f"judge.{k}": v for k, v in m.items()}, step))
         fit_reward_model(params, Path(root), JUDGE, judge_log, hooks)
@@ -125,6 +137,43 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
 
         write_meta_only(Path(root) / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
                                                          "reason": "rm.judge is off"})
+    return metrics
+
+
+def fit_ensemble(params: Params, root: Path, first: dict, log: LogFn | None = None,
+                 hooks: Hooks | None = None) -> dict:
+    """Members ``1..rm.ensemble-1`` beside the proxy RM (member 0), each with seed ``project.seed + k`` (its head
+    initialisation and batch order); then ``models/rm/ensemble.json`` (every member's path, and its mean and std
+    score over the held-out pairs, which standardise it in ``EnsembleScorer``) and the ensemble's held-out
+    pairwise accuracy beside the members' in ``metrics/rm.json``. Returns the updated proxy metrics."""
+    from rlhf_core.atomic import write_json_atomic
+    from rlhf_core.models.scorer import ENSEMBLE_FILE, EnsembleScorer
+
+    members = [first]
+    for k in range(1, params.rm.ensemble):
+        seeded = params.model_copy(update={"project": params.project.model_copy(
+            update={"seed": params.project.seed + k})})
+        member_log = None if log is None else (
+            lambda m, step, k=k: log({f"member{k}.{key}": v for key, v in m.items()}, step))
+        members.append(fit_reward_model(seeded, root, member_role(k), member_log, hooks))
+    metrics = dict(first)
+    if D.is_main():
+        spec = [{"path": str(Path(member_role(k).model_dir).relative_to(paths.RM_MODEL)) if k else ".",
+                 "seed": params.project.seed + k, "accuracy": m["accuracy"],
+                 "center": (m["chosen_mean"] + m["rejected_mean"]) / 2, "scale": m["score_std"]}
+                for k, m in enumerate(members)]
+        rm_dir = root / paths.RM_MODEL
+        write_json_atomic(rm_dir / ENSEMBLE_FILE, {"members": spec})
+        evals = read_split(root, "pairs", eval_split=True, columns=PAIR_COLUMNS)
+        scorer = EnsembleScorer.from_pretrained(rm_dir, batch_size=params.eval.batch_size)
+        chosen = scorer.score_responses(evals["prompt"], evals["chosen"])
+        rejected = scorer.score_responses(evals["prompt"], evals["rejected"])
+        metrics |= {"ensemble_size": len(members), "ensemble_accuracy": float((chosen > rejected).float().mean()),
+                    "member_accuracy": [m["accuracy"] for m in members]}
+        write_json_atomic(root / paths.METRICS / f"{STAGE}.json", metrics)
+        if log is not None:
+            log({k: metrics[k] for k in ("ensemble_size", "ensemble_accuracy")}, 0)
+    D.barrier()
     return metrics
 
 
@@ -143,7 +192,7 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     train = read_split(root, "pairs", eval_split=role.trains_on_eval_split, columns=PAIR_COLUMNS)
     evals = read_split(root, "pairs", eval_split=not role.trains_on_eval_split, columns=PAIR_COLUMNS)
     files = [paths.prepared_file("pairs"), paths.prepared_file("pairs", True)]
-    n_round = params.feedback.round if role is PROXY else 0
+    n_round = params.feedback.round if not role.trains_on_eval_split else 0  # the judge never sees a round's pairs
     fresh = None
     if n_round:  # a feedback round: its new pairs plus a replay of all earlier ones
         from rlhf_core.trainers.rm_rounds import round_training_pairs
@@ -160,6 +209,8 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
         from rlhf_core.stages.feedback import start_dir
 
         init_kind, init_ref = "previous", start_dir(Path("."), n_round, "rm")
+        if role.member and (root / init_ref / MEMBERS_DIR / str(role.member)).is_dir():  # the same member's
+            init_ref = init_ref / MEMBERS_DIR / str(role.member)
     init_source = str(init_ref) if init_kind != "base" else base_model_source(params, root)
     plan, engine = build_engine(params, cfg, "rm.max_length", len(data),
                                 lambda: build_value_model(params, root, init_kind, init_ref), init_source, tokenizer,
@@ -204,7 +255,7 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     }
     meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,
                       score="value at the last non-pad token", role="judge" if role is JUDGE else "proxy",
-                      trained_on=str(train_file))
+                      trained_on=str(train_file), **({"ensemble_member": role.member} if role.member else {}))
     return finish_stage(root, role.stage, engine, root / role.model_dir,
                         lambda m, d: save_value_model(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta,
                         metrics, (f"{role.stage}_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log,
