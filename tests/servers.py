@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import subprocess
@@ -93,8 +94,14 @@ def prefect_server(tmp: Path):
         yield api, env
 
 
+# what every flow test runs with unless it says otherwise: one reward model (the demo's ensemble would train
+# several in every test; tests/test_pipeline_e2e.py runs a small ensemble through the flow)
+TEST_DEFAULTS = {"rm": {"ensemble": 1}}
+
+
 def project_copy(dst: Path, params: dict | None = None) -> Path:
-    """A git checkout of this project (tracked + untracked files) with ``params`` merged into params.yaml."""
+    """A git checkout of this project (tracked + untracked files) with ``TEST_DEFAULTS``, then ``params``, merged
+    into params.yaml."""
     from rlhf_core.bench.kill_flow import fresh_copy
 
     fresh_copy(REPO, dst)
@@ -105,5 +112,6 @@ def project_copy(dst: Path, params: dict | None = None) -> Path:
             a[k] = merge(a.get(k) or {}, v) if isinstance(v, dict) and not k.endswith("reward_fns") else v
         return a
 
-    (dst / "params.yaml").write_text(yaml.safe_dump(merge(current, params or {}), sort_keys=False))
+    merged = merge(merge(current, copy.deepcopy(TEST_DEFAULTS)), params or {})
+    (dst / "params.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
     return dst

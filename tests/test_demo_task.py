@@ -80,3 +80,19 @@ def test_slip_split_sorts_prompts_by_their_question():
     assert question_of(prompts[23]) == "2 + 3" and question_of("Human: hello\n\nAssistant:") is None
     with pytest.raises(ValueError, match="prompt 1 is not a demo question"):
         split_by_slip([prompts[0], "Human: hello\n\nAssistant:"], 0.3, seed=5)
+
+
+def test_rm_top1_counts_questions_whose_best_scored_answer_is_right():
+    import torch
+
+    from rlhf_core.bench.rm_top1 import shares, top1_correct
+
+    candidates = torch.arange(4)
+    scores = torch.tensor([[0.0, 3.0, 1.0, 2.0],   # best: 1
+                           [5.0, 5.0, 0.0, 0.0],   # tie: the first (0)
+                           [0.0, 0.0, 0.0, 9.0]])  # best: 3
+    correct = top1_correct(scores, torch.tensor([1, 1, 2]), candidates)
+    assert correct.tolist() == [True, False, False]
+    split = shares(correct, torch.tensor([True, True, False]))
+    assert split == {"all": pytest.approx(1 / 3), "slipped": 0.5, "other": 0.0}
+    assert shares(correct, torch.zeros(3, dtype=torch.bool))["slipped"] is None

@@ -24,7 +24,7 @@ TINY = {
     "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                        "num_attention_heads": 2, "num_key_value_heads": 2}},
     "sft": {"epochs": 1, "max_steps": 6, "save_every": 2, "micro_batch_size": 16, "log_every": 1},
-    "rm": {"epochs": 1, "max_steps": 4, "micro_batch_size": 16, "log_every": 1},
+    "rm": {"epochs": 1, "max_steps": 4, "micro_batch_size": 16, "log_every": 1, "ensemble": 2},
     "rlhf": {"num_steps": 2, "prompts_per_step": 8, "max_new_tokens": 4, "log_every": 1},
     "eval": {"max_prompts": 16, "max_new_tokens": 4},
     "gates": {"min_reward_gain": -1000.0, "min_win_rate_vs_champion": 0.0, "max_kl": 1.0e9, "min_accuracy": 0.0,
@@ -124,6 +124,10 @@ def test_runs_metrics_versions_aliases_lineage(pipeline):
     # "which run made this version" is one click: each model is logged in the stage run that trained it
     assert actor.run_id == children["rlhf"].info.run_id
     assert client.get_model_version("rlhf-demo-reward", "1").run_id == children["rm"].info.run_id
+    # rm.ensemble: 2 through the flow: the members beside the RM, their held-out accuracy logged, the RL reward
+    ensemble = json.loads((pipeline["project"] / "models/rm/ensemble.json").read_text())["members"]
+    assert [m["path"] for m in ensemble] == [".", "members/1"]
+    assert {"ensemble_accuracy", "member1.accuracy"} <= set(children["rm"].data.metrics)
     # the evaluation's figures are linked to the logged model
     assert actor.source.startswith("models:/m-")  # MLflow 3: the version's source is its logged model
     logged = mlflow.get_logged_model(actor.source.removeprefix("models:/"))

@@ -186,3 +186,16 @@ def test_a_broken_ensemble_file_is_an_error_naming_it(tmp_path):
         EnsembleScorer([object()], [0.0, 1.0], [1.0])
     with pytest.raises(ValueError, match="scales must be > 0"):
         EnsembleScorer([object()], [0.0], [0.0])
+
+
+def test_ensemble_combines_standardised_scores_of_any_shape():
+    from types import SimpleNamespace
+
+    from rlhf_core.models import EnsembleScorer
+
+    member = SimpleNamespace(tokenizer=None)
+    ens = EnsembleScorer([member, member], center=[1.0, -2.0], scale=[2.0, 0.5])
+    a, b = torch.tensor([[3.0, 1.0], [5.0, -1.0]]), torch.tensor([[-2.0, -1.0], [0.0, -2.5]])
+    # ((a - 1) / 2 + (b + 2) / 0.5) / 2, by hand
+    torch.testing.assert_close(ens.combine([a, b]), torch.tensor([[0.5, 1.0], [3.0, -1.0]]))
+    torch.testing.assert_close(ens.combine([a[0], b[0]]), torch.tensor([0.5, 1.0]))

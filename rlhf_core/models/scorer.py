@@ -94,8 +94,8 @@ class EnsembleScorer:
         if min(scale) <= 0:
             raise ValueError(f"ensemble member scales must be > 0, got {list(scale)}")
         self.members = list(members)
-        self.center = torch.tensor(center, dtype=torch.float).unsqueeze(1)
-        self.scale = torch.tensor(scale, dtype=torch.float).unsqueeze(1)
+        self.center = torch.tensor(center, dtype=torch.float)
+        self.scale = torch.tensor(scale, dtype=torch.float)
         self.tokenizer = self.members[0].tokenizer
 
     @classmethod
@@ -115,17 +115,20 @@ class EnsembleScorer:
                                                 trust_remote_code=trust_remote_code, dtype=dtype) for p in paths]
         return cls(scorers, center, scale)
 
-    def _combine(self, per_member: list[torch.Tensor]) -> torch.Tensor:
-        return ((torch.stack(per_member) - self.center) / self.scale).mean(dim=0)
+    def combine(self, per_member: list[torch.Tensor]) -> torch.Tensor:
+        """The ensemble's scores from each member's raw scores (``K`` tensors of one shape)."""
+        stacked = torch.stack(per_member)
+        shape = (-1,) + (1,) * (stacked.dim() - 1)
+        return ((stacked - self.center.view(shape)) / self.scale.view(shape)).mean(dim=0)
 
     def score_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self._combine([m.score_tokens(input_ids, attention_mask) for m in self.members])
+        return self.combine([m.score_tokens(input_ids, attention_mask) for m in self.members])
 
     def score(self, texts: Sequence[str]) -> torch.Tensor:
-        return self._combine([m.score(texts) for m in self.members])
+        return self.combine([m.score(texts) for m in self.members])
 
     def score_responses(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
-        return self._combine([m.score_responses(prompts, responses) for m in self.members])
+        return self.combine([m.score_responses(prompts, responses) for m in self.members])
 
 
 def load_scorer(path: str | Path, **kwargs) -> RewardScorer | EnsembleScorer:
