@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
