@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from rlhf_core.bench.learning import Variant, mean_spread, render, summarise
+from rlhf_core.bench.learning import Variant, mean_spread, render, rm_build, summarise
 from tests.conftest import make_params
 
 TINY = ["data.demo.n_rows=600", "data.demo.max_operand=4", "data.max_prompt_len=16", "data.max_response_len=4",
@@ -39,6 +39,27 @@ def test_summary_mean_spread_by_hand():
     assert "| a | 3 | 80.0 ± 10.0 (70.0-90.0) | 70.0 / 80.0 / 90.0 | 30.0 |" in table and "| b | 0 (1 failed)" in table
 
 
+def test_rm_build_names_the_weights_and_the_ensemble_not_the_metadata(tmp_path):
+    rm = tmp_path / "models" / "rm"
+    assert rm_build(tmp_path) is None  # no RM: nothing to name
+    (rm / "members" / "1").mkdir(parents=True)
+    (rm / "model.safetensors").write_bytes(b"member 0")
+    (rm / "members" / "1" / "model.safetensors").write_bytes(b"member 1")
+    (rm / "ensemble.json").write_text('{"members": []}')
+    (rm / "rlhf_meta.json").write_text('{"finished": "12:00"}')
+    first = rm_build(tmp_path)
+    assert len(first) == 12 and int(first, 16) >= 0
+    (rm / "rlhf_meta.json").write_text('{"finished": "13:00"}')  # an identical retraining, another timestamp
+    assert rm_build(tmp_path) == first
+    for path, other in ((rm / "members" / "1" / "model.safetensors", b"member 1, another seed"),
+                        (rm / "ensemble.json", '{"members": [1]}')):
+        before = path.read_bytes()
+        path.write_bytes(other if isinstance(other, bytes) else other.encode())
+        assert rm_build(tmp_path) != first, path
+        path.write_bytes(before)
+    assert rm_build(tmp_path) == first
+
+
 @pytest.mark.slow
 def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
     pytest.importorskip("trl")
@@ -64,6 +85,7 @@ def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
         assert 0.0 <= rows[name]["accuracy"] <= 1.0 and rows[name]["kl_to_reference"] >= 0.0
         assert rows[name]["sft_accuracy"] == rows["ours"]["sft_accuracy"]  # one evaluator, one SFT start
         assert rows[name]["sft_proxy_reward"] == pytest.approx(rows["ours"]["sft_proxy_reward"], abs=1e-4)
+        assert rows[name]["rm_build"] == rm_build(base) is not None  # the one RM both scored with
     trl_metrics = json.loads((out / "trl-s1" / "metrics" / "rlhf.json").read_text())
     assert trl_metrics["framework"].startswith("trl ") and trl_metrics["optimizer_steps"] == 2 * 2  # 16 rows / 8
     main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "ours=rlhf.algorithm=grpo", "trl",

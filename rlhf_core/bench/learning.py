@@ -10,7 +10,8 @@ time, interleaved across variants (on a shared machine a variant does not get th
 ``variant`` is ``NAME=KEY=VALUE[,KEY=VALUE...]`` (the overrides of ``rlhf stage -S``); ``NAME`` alone is the
 base params. A NAME starting with ``trl`` runs TRL's ``GRPOTrainer`` on the same budget instead
 (``rlhf_core.bench.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
-run, appended as runs finish; a re-run skips the pairs already there) and the summary table to stdout.
+run, appended as runs finish, with the ``rm_build`` it scored with; a re-run skips the pairs already there) and
+the summary table to stdout.
 
     python -m rlhf_core.bench.learning --workspace W --seeds 1,2,3,4 --out runs \\
         ours_grpo=rlhf.algorithm=grpo trl
@@ -19,6 +20,7 @@ run, appended as runs finish; a re-run skips the pairs already there) and the su
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -63,6 +65,25 @@ def link_workspace(base: Path, run_dir: Path) -> None:
             dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
+def rm_build(base: Path) -> str | None:
+    """Which reward-model build the runs on ``base`` score with: 12 hex digits of a sha256 over the weight files
+    under ``models/rm`` (the RM, or every ensemble member, with its relative path) and ``ensemble.json``; None
+    without ``models/rm``. A retrained RM (another seed, other data) gets another digest, an identical retraining
+    the same one (training is deterministic on one thread), so rows from several builds can be told apart."""
+    from rlhf_core.integrity import sha256_file
+    from rlhf_core.models.scorer import ENSEMBLE_FILE
+
+    rm = base / "models" / "rm"
+    files = sorted(p for p in rm.rglob("*") if p.suffix == ".safetensors" or p.name == ENSEMBLE_FILE) \
+        if rm.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.relative_to(rm)}\0{sha256_file(path)}\n".encode())
+    return digest.hexdigest()[:12]
+
+
 def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, extra: tuple[str, ...]) -> dict:
     run_dir = out / f"{variant.name}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +100,7 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
     with open(run_dir / "run.log", "w") as logf:
         rc = subprocess.run(cmd, cwd=run_dir, env=env, stdout=logf, stderr=subprocess.STDOUT).returncode
     row = {"variant": variant.name, "seed": seed, "overrides": list(variant.overrides), "rc": rc,
-           "command_wall_s": round(time.perf_counter() - t0, 1)}
+           "command_wall_s": round(time.perf_counter() - t0, 1), "rm_build": rm_build(base)}
     metrics_file = run_dir / "metrics" / "rlhf.json"
     if rc == 0 and metrics_file.exists():
         m = json.loads(metrics_file.read_text())
