@@ -52,9 +52,9 @@ def test_rm_build_names_the_weights_and_the_ensemble_not_the_metadata(tmp_path):
     (rm / "rlhf_meta.json").write_text('{"finished": "13:00"}')  # an identical retraining, another timestamp
     assert rm_build(tmp_path) == first
     for path, other in ((rm / "members" / "1" / "model.safetensors", b"member 1, another seed"),
-                        (rm / "ensemble.json", '{"members": [1]}')):
+                        (rm / "ensemble.json", b'{"members": [1]}')):
         before = path.read_bytes()
-        path.write_bytes(other if isinstance(other, bytes) else other.encode())
+        path.write_bytes(other)
         assert rm_build(tmp_path) != first, path
         path.write_bytes(before)
     assert rm_build(tmp_path) == first

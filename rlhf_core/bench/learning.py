@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core import paths
+
 LINKED = ("data", "models/sft", "models/rm", "models/base", "params.yaml")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
                 "CROSS_SIZE", "GROUP_RANK")
@@ -73,7 +75,7 @@ def rm_build(base: Path) -> str | None:
     from rlhf_core.integrity import sha256_file
     from rlhf_core.models.scorer import ENSEMBLE_FILE
 
-    rm = base / "models" / "rm"
+    rm = base / paths.RM_MODEL
     files = sorted(p for p in rm.rglob("*") if p.suffix == ".safetensors" or p.name == ENSEMBLE_FILE) \
         if rm.is_dir() else []
     if not files:
@@ -100,7 +102,7 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
     with open(run_dir / "run.log", "w") as logf:
         rc = subprocess.run(cmd, cwd=run_dir, env=env, stdout=logf, stderr=subprocess.STDOUT).returncode
     row = {"variant": variant.name, "seed": seed, "overrides": list(variant.overrides), "rc": rc,
-           "command_wall_s": round(time.perf_counter() - t0, 1), "rm_build": rm_build(base)}
+           "command_wall_s": round(time.perf_counter() - t0, 1)}
     metrics_file = run_dir / "metrics" / "rlhf.json"
     if rc == 0 and metrics_file.exists():
         m = json.loads(metrics_file.read_text())
@@ -174,11 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     have = {(r["variant"], r["seed"]) for r in done if r["rc"] == 0}
     todo = [(v, s) for s in seeds for v in variants if (v.name, s) not in have]
+    build = rm_build(a.workspace.resolve())  # one workspace, one RM build: hashed once, named on every row
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
         futures = [pool.submit(run_one, a.workspace.resolve(), a.out.resolve(), v, s, a.threads, tuple(a.extra))
                    for v, s in todo]
         for fut in futures:
-            row = fut.result()
+            row = fut.result() | {"rm_build": build}
             with open(results, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
