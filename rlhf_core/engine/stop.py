@@ -14,6 +14,7 @@ periodic checkpoint stands (checkpoints are committed atomically). Set the pod's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -52,7 +53,9 @@ def _on_sigterm(signum, frame) -> None:
     if _signalled_at is not None:
         return
     _signalled_at = time.monotonic()
-    print(f"SIGTERM: checkpointing at the next step boundary (at most {_grace_s:.0f}s)", file=sys.stderr, flush=True)
+    say = f"SIGTERM: checkpointing at the next step boundary (at most {_grace_s:.0f}s)\n"
+    with contextlib.suppress(OSError):  # os.write, not print: the signal may land inside a write to sys.stderr
+        os.write(2, say.encode())  # (a Python-level raw stream, rlhf_core.flow_watch), whose buffer is not reentrant
     timer = threading.Timer(_grace_s, _out_of_grace)
     timer.daemon = True
     timer.start()
