@@ -48,6 +48,9 @@ class _SwitchableFd(io.RawIOBase):
     def fileno(self) -> int:
         return self._fd
 
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
     def write(self, b) -> int:
         try:
             return os.write(self._fd, b)
