@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from rlhf_core.bench.learning import Variant, mean_spread, render, rm_build, summarise
+from rlhf_core.bench.learning import Variant, mean_spread, provenance, render, rm_build, summarise
 from tests.conftest import make_params
 
 TINY = ["data.demo.n_rows=600", "data.demo.max_operand=4", "data.max_prompt_len=16", "data.max_response_len=4",
@@ -60,6 +60,25 @@ def test_rm_build_names_the_weights_and_the_ensemble_not_the_metadata(tmp_path):
     assert rm_build(tmp_path) == first
 
 
+def test_provenance_names_the_sft_build_the_params_and_the_common_overrides(tmp_path):
+    """Rows of two invocations that differ only in the SFT model, the params file or an override given to every
+    variant were indistinguishable (a slip-task build could not be told from an earlier one)."""
+    sft = tmp_path / "models" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "model.safetensors").write_bytes(b"sft weights")
+    (sft / "rlhf_meta.json").write_text('{"finished": "12:00"}')
+    (tmp_path / "params.yaml").write_text("rlhf: {ptx_coef: 0.3}\n")
+    first = provenance(tmp_path, ("rlhf.algorithm=grpo",))
+    assert first["rm_build"] is None and first["common_overrides"] == ["rlhf.algorithm=grpo"]
+    assert len(first["sft_build"]) == 12 and len(first["params_sha"]) == 12
+    (sft / "rlhf_meta.json").write_text('{"finished": "13:00"}')
+    assert provenance(tmp_path, ("rlhf.algorithm=grpo",)) == first
+    (sft / "model.safetensors").write_bytes(b"sft weights, another run")
+    assert provenance(tmp_path, ("rlhf.algorithm=grpo",))["sft_build"] != first["sft_build"]
+    (tmp_path / "params.yaml").write_text("rlhf: {ptx_coef: 1.2}\n")
+    assert provenance(tmp_path, ())["params_sha"] != first["params_sha"]
+
+
 @pytest.mark.slow
 def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
     pytest.importorskip("trl")
@@ -77,7 +96,7 @@ def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
     train_rm(params, base)
     (base / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
     out = tmp_path / "runs"
-    main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "--jobs", "2",
+    main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "--jobs", "2", "-S", "rlhf.grpo.beta=0.04",
           "ours=rlhf.algorithm=grpo", "trl"])
     rows = {r["variant"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     for name in ("ours", "trl"):
@@ -86,6 +105,8 @@ def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
         assert rows[name]["sft_accuracy"] == rows["ours"]["sft_accuracy"]  # one evaluator, one SFT start
         assert rows[name]["sft_proxy_reward"] == pytest.approx(rows["ours"]["sft_proxy_reward"], abs=1e-4)
         assert rows[name]["rm_build"] == rm_build(base) is not None  # the one RM both scored with
+        assert rows[name]["sft_build"] == provenance(base, ())["sft_build"] is not None  # the one SFT start
+        assert rows[name]["common_overrides"] == ["rlhf.grpo.beta=0.04"]
     trl_metrics = json.loads((out / "trl-s1" / "metrics" / "rlhf.json").read_text())
     assert trl_metrics["framework"].startswith("trl ") and trl_metrics["optimizer_steps"] == 2 * 2  # 16 rows / 8
     main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "ours=rlhf.algorithm=grpo", "trl",

@@ -10,7 +10,8 @@ time, interleaved across variants (on a shared machine a variant does not get th
 ``variant`` is ``NAME=KEY=VALUE[,KEY=VALUE...]`` (the overrides of ``rlhf stage -S``); ``NAME`` alone is the
 base params. A NAME starting with ``trl`` runs TRL's ``GRPOTrainer`` on the same budget instead
 (``rlhf_core.bench.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
-run, appended as runs finish, with the ``rm_build`` it scored with; a re-run skips the pairs already there) and
+run, appended as runs finish, with the RM and SFT builds, the params digest and the overrides it ran with:
+:func:`provenance`; a re-run skips the pairs already there) and
 the summary table to stdout.
 
     python -m rlhf_core.bench.learning --workspace W --seeds 1,2,3,4 --out runs \\
@@ -67,23 +68,38 @@ def link_workspace(base: Path, run_dir: Path) -> None:
             dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
-def rm_build(base: Path) -> str | None:
-    """Which reward-model build the runs on ``base`` score with: 12 hex digits of a sha256 over the weight files
-    under ``models/rm`` (the RM, or every ensemble member, with its relative path) and ``ensemble.json``; None
-    without ``models/rm``. A retrained RM (another seed, other data) gets another digest, an identical retraining
-    the same one (training is deterministic on one thread), so rows from several builds can be told apart."""
+def weights_digest(model_dir: Path, also: tuple[str, ...] = ()) -> str | None:
+    """12 hex digits of a sha256 over the ``*.safetensors`` files under ``model_dir`` and the files named in
+    ``also``, each with its relative path; None when there are none. Metadata (timestamps) does not count, so an
+    identical retraining (training is deterministic on one thread) gets the same digest and any other another."""
     from rlhf_core.integrity import sha256_file
-    from rlhf_core.models.scorer import ENSEMBLE_FILE
 
-    rm = base / paths.RM_MODEL
-    files = sorted(p for p in rm.rglob("*") if p.suffix == ".safetensors" or p.name == ENSEMBLE_FILE) \
-        if rm.is_dir() else []
+    files = sorted(p for p in model_dir.rglob("*") if p.suffix == ".safetensors" or p.name in also) \
+        if model_dir.is_dir() else []
     if not files:
         return None
     digest = hashlib.sha256()
     for path in files:
-        digest.update(f"{path.relative_to(rm)}\0{sha256_file(path)}\n".encode())
+        digest.update(f"{path.relative_to(model_dir)}\0{sha256_file(path)}\n".encode())
     return digest.hexdigest()[:12]
+
+
+def rm_build(base: Path) -> str | None:
+    """Which reward-model build the runs on ``base`` score with: :func:`weights_digest` of ``models/rm`` (the RM,
+    or every ensemble member) and its ``ensemble.json``, so rows from several builds can be told apart."""
+    from rlhf_core.models.scorer import ENSEMBLE_FILE
+
+    return weights_digest(base / paths.RM_MODEL, (ENSEMBLE_FILE,))
+
+
+def provenance(base: Path, extra: tuple[str, ...]) -> dict:
+    """What every row of one invocation shares: the RM and SFT builds, a digest of the workspace's
+    ``params.yaml``, and the ``-S`` overrides given to every variant (a row's own are in ``overrides``)."""
+    from rlhf_core.integrity import sha256_file
+
+    params = base / "params.yaml"
+    return {"rm_build": rm_build(base), "sft_build": weights_digest(base / paths.SFT_MODEL),
+            "params_sha": sha256_file(params)[:12] if params.is_file() else None, "common_overrides": list(extra)}
 
 
 def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, extra: tuple[str, ...]) -> dict:
@@ -176,12 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     have = {(r["variant"], r["seed"]) for r in done if r["rc"] == 0}
     todo = [(v, s) for s in seeds for v in variants if (v.name, s) not in have]
-    build = rm_build(a.workspace.resolve())  # one workspace, one RM build: hashed once, named on every row
+    shared = provenance(a.workspace.resolve(), tuple(a.extra))  # one workspace: hashed once, named on every row
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
         futures = [pool.submit(run_one, a.workspace.resolve(), a.out.resolve(), v, s, a.threads, tuple(a.extra))
                    for v, s in todo]
         for fut in futures:
-            row = fut.result() | {"rm_build": build}
+            row = fut.result() | shared
             with open(results, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
