@@ -145,7 +145,10 @@ def fit_ensemble(params: Params, root: Path, first: dict, log: LogFn | None = No
     """Members ``1..rm.ensemble-1`` beside the proxy RM (member 0), each with seed ``project.seed + k`` (its head
     initialisation and batch order); then ``models/rm/ensemble.json`` (every member's path, and its mean and std
     score over the held-out pairs, which standardise it in ``EnsembleScorer``) and the ensemble's held-out
-    pairwise accuracy beside the members' in ``metrics/rm.json``. Returns the updated proxy metrics."""
+    pairwise accuracy beside the members' in ``metrics/rm.json``. Returns the updated proxy metrics.
+
+    ``ensemble_accuracy`` is not quite held out: the same pairs set each member's scale, which weighs the
+    members in the mean (the centres cancel in a pairwise comparison). The members' own accuracies are."""
     from rlhf_core.atomic import write_json_atomic
     from rlhf_core.models.scorer import ENSEMBLE_FILE, EnsembleScorer
 
