@@ -192,10 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     have = {(r["variant"], r["seed"]) for r in done if r["rc"] == 0}
     todo = [(v, s) for s in seeds for v in variants if (v.name, s) not in have]
-    shared = provenance(a.workspace.resolve(), tuple(a.extra))  # one workspace: hashed once, named on every row
+    base, out, extra = a.workspace.resolve(), a.out.resolve(), tuple(a.extra)
+    shared = provenance(base, extra)  # one workspace: hashed once, named on every row
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        futures = [pool.submit(run_one, a.workspace.resolve(), a.out.resolve(), v, s, a.threads, tuple(a.extra))
-                   for v, s in todo]
+        futures = [pool.submit(run_one, base, out, v, s, a.threads, extra) for v, s in todo]
         for fut in futures:
             row = fut.result() | shared
             with open(results, "a") as fh:
