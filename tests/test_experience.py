@@ -200,9 +200,11 @@ def test_uniform_groups_are_dropped_and_counted():
     exp, _, _ = make(script, drop_uniform=True, **kw)
     assert exp.group.tolist() == [1, 1] and exp.responses[:, 0].tolist() == [4, 5]
     assert exp.info["uniform"] == 2 and exp.info["uniform_score"] == 2.0 and exp.info["uniform_score_sq"] == 2.0
+    assert exp.info["uniform_groups"] == 1 and exp.info["groups"] == 2  # uniform_group_share 1/2
     assert exp.ref_logp.shape[0] == 2  # the reference pass ran on the kept rows only
     kept, _, _ = make(script, drop_uniform=False, **kw)
     assert len(kept) == 4 and kept.info["uniform"] == 0
+    assert kept.info["uniform_groups"] == 1  # counted whether or not the groups are dropped
     assert kept.baselined[:2].tolist() == [0.0, 0.0]  # what dropping saves: rows with no policy gradient
 
 

@@ -118,6 +118,9 @@ def test_grpo_drops_uniform_groups_but_scores_every_sample(ws):
     for m in ms:
         scored = m["rows"] - m["empty_dropped"]
         assert m["score_mean"] * scored == pytest.approx(m["train_accuracy"] * m["rows"])
+        uniform_rows = m["uniform_group_share"] * m["rows"]  # groups of G rows: share of groups = share of rows
+        assert uniform_rows == round(uniform_rows) and 0 <= m["uniform_group_share"] <= 1
+        assert uniform_rows - m["empty_dropped"] <= m["uniform_dropped"] <= uniform_rows
 
 
 def test_ptx_batch_size_sets_the_sft_rows_beside_each_micro_batch(ws):

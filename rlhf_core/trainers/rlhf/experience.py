@@ -244,8 +244,10 @@ class ExperienceMaker:
                 "length_sum": float(lengths.sum()), "correct": correct,
                 "group_std_sum": float(scores.view(-1, n).std(dim=1).sum()) if n > 1 else 0.0,
                 "groups": float(len(prompts))}
-        uniform = (uniform_groups(scores, n) if cfg.drop_uniform_groups else torch.zeros_like(empty)) & ~empty
-        info |= {"uniform": float(uniform.sum()), "uniform_score": float(scores[uniform].sum()),
+        all_equal = uniform_groups(scores, n)
+        uniform = (all_equal if cfg.drop_uniform_groups else torch.zeros_like(empty)) & ~empty
+        info |= {"uniform_groups": float(all_equal.sum()) / n if n > 1 else 0.0, "uniform": float(uniform.sum()),
+                 "uniform_score": float(scores[uniform].sum()),
                  "uniform_score_sq": float((scores[uniform] ** 2).sum())}
         keep = ~empty & ~uniform
         if not keep.any():  # keep one row with a zero action mask so the training passes still run

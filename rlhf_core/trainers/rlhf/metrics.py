@@ -37,7 +37,7 @@ def buffer_sums(exp: Experience, kl_metric: str) -> dict[str, float]:
     seq_reward = torch.where(mask, exp.rewards, zero).sum(dim=1)
     info = exp.info
     sums = {k: float(info[k]) for k in ("rows", "empty", "no_eos", "length_sum", "correct", "group_std_sum",
-                                        "groups", "t_generate", "t_score", "uniform")}
+                                        "groups", "t_generate", "t_score", "uniform", "uniform_groups")}
     # score_mean / score_std cover every non-empty sample, trained on or dropped as a uniform group
     sums |= {"kept": float(kept.sum()),
              "score": float(scores.sum()) + info["uniform_score"],
@@ -75,6 +75,7 @@ def iteration_metrics(sums: dict[str, float], train: dict[str, float], world: in
         m["train_accuracy"] = m["judge_score"] = s["correct"] / rows
     if grouped:
         m["group_reward_std"] = s["group_std_sum"] / max(s["groups"], 1.0)
+        m["uniform_group_share"] = s["uniform_groups"] / max(s["groups"], 1.0)
     if s.get("n_val", 0.0) > 1:
         n = s["n_val"]
         var_r = s["ret_sq"] / n - (s["ret"] / n) ** 2
