@@ -246,7 +246,7 @@ class ExperienceMaker:
                 "groups": float(len(prompts))}
         all_equal = uniform_groups(scores, n)
         uniform = (all_equal if cfg.drop_uniform_groups else torch.zeros_like(empty)) & ~empty
-        info |= {"uniform_groups": float(all_equal.sum()) / n if n > 1 else 0.0, "uniform": float(uniform.sum()),
+        info |= {"uniform_groups": float(all_equal.sum()) / n, "uniform": float(uniform.sum()),
                  "uniform_score": float(scores[uniform].sum()),
                  "uniform_score_sq": float((scores[uniform] ** 2).sum())}
         keep = ~empty & ~uniform
