@@ -319,6 +319,12 @@ class RLHFConfig(OptimConfig):
     ptx_batch_size: int = Field(0, ge=0, description="SFT rows of the ptx loss beside each RL micro-batch; 0: "
                                                     "`micro_batch_size`. A ptx row (prompt and answer) costs "
                                                     "several response-only rows of a shared-prefix RL batch.")
+    ptx_min_reward: float | None = Field(
+        None, description="Drop the ptx rows (prompt, demonstration) whose reward-model score (an ensemble's mean "
+                          "standardised score) is below this before training, so the ptx loss does not teach what "
+                          "the RM ranks low (wrong demonstrations); the rows kept and dropped are logged "
+                          "(`ptx_rows`, `ptx_rows_dropped`). Needs `rm` in `reward_fns` (weight 0: the RM only "
+                          "filters). One RM pass over sft.parquet at start. null: keep every row (docs/rlhf.md).")
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0,
                                     description="EMA of the actor weights, saved to models/actor_ema; null: off.")
     no_eos_penalty: float | None = Field(None, description="Score assigned to responses without EOS; null: keep.")
@@ -347,6 +353,10 @@ class RLHFConfig(OptimConfig):
             raise ValueError(f"grpo.kl_estimator: k1 with grpo.beta > 0 puts KL in the loss, but {k1}")
         if self.algorithm == "ppo" and self.ppo.kl_in == "loss" and self.kl_coef > 0 and self.kl_estimator == "k1":
             raise ValueError(f"kl_estimator: k1 with ppo.kl_in: loss, but {k1} (k1 is right in the reward)")
+        if self.ptx_min_reward is not None and (self.ptx_coef == 0 or "rm" not in self.reward_fns):
+            raise ValueError("ptx_min_reward filters the ptx rows by the reward model's score: it needs "
+                             f"ptx_coef > 0 (got {self.ptx_coef}) and `rm` in reward_fns (got "
+                             f"{sorted(self.reward_fns)}; `rm: 0.0` uses the RM only as the filter)")
         if self.algorithm == "grpo":
             rows = self.micro_batch_size * self.grad_accum
             if rows % self.grpo.group_size:

@@ -133,6 +133,35 @@ def test_ptx_batch_size_sets_the_sft_rows_beside_each_micro_batch(ws):
         assert tr.state.extra["ptx_micro"] == 1  # one ptx batch beside the iteration's one micro-batch
 
 
+def test_ptx_min_reward_drops_the_rows_the_reward_model_scores_below_it(ws):
+    """``rlhf.ptx_min_reward``: the ptx rows are exactly the SFT rows whose RM score reaches the floor (here the
+    median of the real RM's scores, so about half go), counted; a floor above every score names the file."""
+    from rlhf_core.rewards.sources import RewardSources
+    from rlhf_core.trainers.rlhf.inputs import ptx_keep
+
+    assert ptx_keep(torch.tensor([-1.0, 0.0, 0.5]), 0.0).tolist() == [False, True, True]
+    sft = pd.read_parquet(ws / "data/prepared/sft.parquet")
+    scores = RewardSources({"rm": 1.0}, ws / "models/rm").rm_scores(list(sft["prompt"]), list(sft["response"]))
+    floor = float(scores.median())
+    tr = _trainer(ws, "rlhf.ptx_coef=0.5", "rlhf.reward_fns={exact_answer: 1.0, rm: 0.0}",
+                  f"rlhf.ptx_min_reward={floor}")
+    kept = int((scores >= floor).sum())
+    assert 0 < kept < len(sft)
+    assert tr.ptx_counts == {"ptx_rows": kept, "ptx_rows_dropped": len(sft) - kept}
+    assert tr.ptx[0].n_examples == kept
+    tr.step()  # trains on the kept rows
+    with pytest.raises(TrainingInputError, match=r"sft\.parquet: rlhf\.ptx_min_reward .* drops all"):
+        _trainer(ws, "rlhf.ptx_coef=0.5", "rlhf.reward_fns={exact_answer: 1.0, rm: 0.0}",
+                 f"rlhf.ptx_min_reward={float(scores.max()) + 1}")
+
+
+def test_ptx_min_reward_needs_ptx_and_the_reward_model():
+    for overrides in (("rlhf.ptx_coef=0", "rlhf.reward_fns={rm: 1.0}"),
+                      ("rlhf.ptx_coef=0.5", "rlhf.reward_fns={exact_answer: 1.0}")):
+        with pytest.raises(ConfigError, match="ptx_min_reward filters the ptx rows"):
+            params("rlhf.ptx_min_reward=0", *overrides)
+
+
 def test_every_iteration_gets_full_prompt_batches_across_epochs(ws):
     tr = _trainer(ws, "rlhf.prompts_per_step=3")
     stream = torch.cat([tr.prompt_indices(k) for k in range(4)])  # 12 = 3 epochs of the 4 prompts

@@ -8,12 +8,16 @@ the special tokens of SFT training; ``load_ptx`` reads the SFT rows of the pretr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
 from pathlib import Path
+
+import torch
 
 from rlhf_core import paths
 from rlhf_core.config import Params
-from rlhf_core.data.collate import Ragged, encode_prompts
+from rlhf_core.data.collate import Ragged, SFTData, encode_prompts
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.evaluation import HeldOut
@@ -115,12 +119,38 @@ def load_prompts(params: Params, root: Path, tokenizer) -> Prompts:
     return Prompts(train["prompt"], train["answer"], encode(train["prompt"]), heldout)
 
 
-def load_ptx(params: Params, root: Path, tokenizer):
-    """The SFT rows of the pretraining-mix loss (``rlhf.ptx_coef``), as ``build_sft_data`` rows."""
+def ptx_keep(scores: torch.Tensor, min_reward: float) -> torch.Tensor:
+    """Rows (``[N]`` bool) of the ptx data to keep: ``score >= min_reward`` (``rlhf.ptx_min_reward``)."""
+    return scores >= min_reward
+
+
+@dataclass(frozen=True)
+class PtxRows:
+    data: SFTData  # the rows of the ptx loss
+    dropped: int  # rows the reward model scored below rlhf.ptx_min_reward
+
+
+def load_ptx(params: Params, root: Path, tokenizer,
+             rm_scores: Callable[[list[str], list[str]], torch.Tensor] | None = None) -> PtxRows:
+    """The SFT rows of the pretraining-mix loss (``rlhf.ptx_coef``), as ``build_sft_data`` rows. With
+    ``rlhf.ptx_min_reward`` set, ``rm_scores(prompts, responses)`` scores every row once and :func:`ptx_keep`
+    decides which stay; dropping every row is an error that names the file, the key and the best score."""
     from rlhf_core.data.collate import build_sft_data, encode_sequences
     from rlhf_core.trainers.common import default_max_length, read_split
 
+    rel = paths.prepared_file("sft")
     sft = read_split(root, "sft", columns=("id", "prompt", "response"))
+    n, floor = len(sft["id"]), params.rlhf.ptx_min_reward
+    if floor is not None:
+        if rm_scores is None:
+            raise TrainingInputError("rlhf.ptx_min_reward is set but no reward model scores the ptx rows")
+        scores = rm_scores(sft["prompt"], sft["response"])
+        keep = ptx_keep(scores, floor)
+        if not bool(keep.any()):
+            raise TrainingInputError(f"{rel}: rlhf.ptx_min_reward {floor} drops all {n} ptx rows (the reward "
+                                     f"model's best score is {float(scores.max()):.3f}); lower it or unset it")
+        sft = {k: list(compress(v, keep.tolist())) for k, v in sft.items()}
     max_len = default_max_length(params, params.sft.max_length)
-    return build_sft_data(encode_sequences(tokenizer, sft["prompt"], sft["response"], max_len,
-                                           str(paths.prepared_file("sft")), "sft.max_length", sft["id"]))
+    data = build_sft_data(encode_sequences(tokenizer, sft["prompt"], sft["response"], max_len, str(rel),
+                                           "sft.max_length", sft["id"]))
+    return PtxRows(data, n - len(sft["id"]))

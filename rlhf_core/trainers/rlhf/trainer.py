@@ -107,11 +107,13 @@ class RLHFTrainer:
         self.reward = RewardSources(cfg.reward_fns, self.inputs.rm if self.inputs.uses_rm else None, tok,
                                     cfg.rm_tokenizer_mismatch, device=D.device())
         self.prompts = load_prompts(params, root, tok)
-        self.ptx = None
+        self.ptx, self.ptx_counts = None, {}
         if cfg.ptx_coef > 0:
-            data = load_ptx(params, root, tok)
-            plan = StepPlan(len(data), cfg.ptx_batch_size or cfg.micro_batch_size, 1, self.world, epochs=1 << 20)
-            self.ptx = (data, ResumableSampler(plan, params.project.seed + 1, self.rank))
+            rows = load_ptx(params, root, tok, self.reward.rm_scores if self.reward.rm is not None else None)
+            self.ptx_counts = {"ptx_rows": rows.data.n_examples, "ptx_rows_dropped": rows.dropped}
+            plan = StepPlan(len(rows.data), cfg.ptx_batch_size or cfg.micro_batch_size, 1, self.world,
+                            epochs=1 << 20)
+            self.ptx = (rows.data, ResumableSampler(plan, params.project.seed + 1, self.rank))
 
         # ---- models: actor (trained), reference (frozen), critic (PPO/GAE)
         self.per_rank_prompts = cfg.prompts_per_step // self.world
@@ -162,7 +164,7 @@ class RLHFTrainer:
             self.log({"n_prompts": len(self.prompts.texts), "n_eval_prompts": len(self.prompts.heldout.prompts),
                       "rows_per_step": self.per_rank_prompts * cfg.samples_per_prompt * self.world,
                       "minibatches_per_step": self.n_mini, "optimizer_steps_total": total_opt,
-                      "shared_prefix": float(self.shared_prefix),
+                      "shared_prefix": float(self.shared_prefix), **self.ptx_counts,
                       "resumed_from_step": self.resumed_from, "threads": self.threads}, self.state.step)
         return self
 
@@ -386,7 +388,7 @@ class RLHFTrainer:
                    **curve_summary(self.state), "world_size": self.world,
                    "zero_stage": self.params.compute.zero_stage, "precision": self.actor.precision,
                    "n_prompts": len(self.prompts.texts), "n_eval_prompts": len(self.prompts.heldout.prompts),
-                   "wall_time_s": round(time.perf_counter() - self.t_start, 2)}
+                   **self.ptx_counts, "wall_time_s": round(time.perf_counter() - self.t_start, 2)}
         self._save_models(ema_model, metrics)
         if D.is_main():
             write_json_atomic(self.root / paths.METRICS / f"{STAGE}.json", metrics)
