@@ -96,3 +96,18 @@ def test_rm_top1_counts_questions_whose_best_scored_answer_is_right():
     split = shares(correct, torch.tensor([True, True, False]))
     assert split == {"all": pytest.approx(1 / 3), "slipped": 0.5, "other": 0.0}
     assert shares(correct, torch.zeros(3, dtype=torch.bool))["slipped"] is None
+
+
+def test_ptx_filter_shares_count_what_the_floor_keeps_and_drops():
+    import torch
+
+    from rlhf_core.bench.ptx_filter import filter_shares, solve
+
+    scores = torch.tensor([1.0, 0.5, -0.2, -1.0, 0.0])
+    correct = torch.tensor([True, False, True, False, False])
+    # floor 0 keeps rows 0, 1, 4: one correct of three; the wrong rows are 1, 3, 4, of which row 3 is dropped
+    assert filter_shares(scores, correct, 0.0) == {"floor": 0.0, "kept": 0.6, "correct_kept": pytest.approx(1 / 3),
+                                                   "wrong_dropped": pytest.approx(1 / 3)}
+    assert filter_shares(scores, correct, 2.0)["correct_kept"] is None  # nothing kept
+    assert filter_shares(scores, torch.ones(5, dtype=torch.bool), 0.0)["wrong_dropped"] is None  # nothing wrong
+    assert solve("7 + 5") == 12 and solve("3 - 9") == -6

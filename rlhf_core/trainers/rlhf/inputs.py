@@ -3,7 +3,8 @@
 ``check_inputs`` refuses what the stage cannot use (no SFT model, no RM where the critic or the reward
 needs one, an RM with another vocabulary under a critic, unknown reward functions, a process count that
 does not divide ``prompts_per_step``). ``load_prompts`` tokenises the train and held-out prompts once, with
-the special tokens of SFT training; ``load_ptx`` reads the SFT rows of the pretraining-mix loss.
+the special tokens of SFT training; ``load_ptx`` reads the SFT rows of the pretraining-mix loss, less those
+the reward model scores below ``rlhf.ptx_min_reward``.
 """
 
 from __future__ import annotations
