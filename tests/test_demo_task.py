@@ -101,7 +101,8 @@ def test_rm_top1_counts_questions_whose_best_scored_answer_is_right():
 def test_ptx_filter_shares_count_what_the_floor_keeps_and_drops():
     import torch
 
-    from rlhf_core.bench.ptx_filter import filter_shares, solve
+    from rlhf_core.bench.ptx_filter import filter_shares
+    from rlhf_core.rewards.demo_task import solve
 
     scores = torch.tensor([1.0, 0.5, -0.2, -1.0, 0.0])
     correct = torch.tensor([True, False, True, False, False])

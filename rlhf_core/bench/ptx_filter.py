@@ -32,17 +32,11 @@ def filter_shares(scores: torch.Tensor, correct: torch.Tensor, floor: float) -> 
             "wrong_dropped": share(wrong & ~keep, wrong)}
 
 
-def solve(question: str) -> int:
-    """The answer of a demo question ``"a + b"`` or ``"a - b"``."""
-    a, op, b = question.split()
-    return int(a) + int(b) if op == "+" else int(a) - int(b)
-
-
 def evaluate_workspace(root: Path, floors: list[float]) -> dict:
     from rlhf_core import paths
     from rlhf_core.config import load_params
     from rlhf_core.models import load_scorer
-    from rlhf_core.rewards.demo_task import check_answer, question_of, slipped
+    from rlhf_core.rewards.demo_task import check_answer, question_of, slipped, solve
     from rlhf_core.trainers.common import read_split
 
     params = load_params(root / "params.yaml")

@@ -29,6 +29,12 @@ def question_of(prompt: str) -> str | None:
     return m.group(1) if m else None
 
 
+def solve(question: str) -> int:
+    """The answer of a question ``"a + b"`` or ``"a - b"`` (the ``a op b`` that :func:`question_of` returns)."""
+    a, op, b = question.split()
+    return int(a) + int(b) if op == "+" else int(a) - int(b)
+
+
 def render_answer(value: int | str) -> str:
     """The response text for an answer: a leading space, then the integer."""
     return f" {value}"
@@ -82,10 +88,10 @@ def generate(n_rows: int, max_operand: int, ops: list[str], wrong_share: float, 
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         if op == "-" and b > a:
             a, b = b, a
-        correct = a + b if op == "+" else a - b
+        question = f"{a} {op} {b}"
+        correct = solve(question)
         wrong = _wrong_answer(rng, correct)
         demo = wrong if rng.random() < wrong_share else correct
-        question = f"{a} {op} {b}"
         if slipped(question, slip_share, seed):
             demo = correct + 10
             if random.Random(f"slip-pair-{seed}-{i}").random() < 0.5:
