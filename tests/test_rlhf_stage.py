@@ -137,7 +137,7 @@ def test_ptx_min_reward_drops_the_rows_the_reward_model_scores_below_it(ws):
     """``rlhf.ptx_min_reward``: the ptx rows are exactly the SFT rows whose RM score reaches the floor (here the
     median of the real RM's scores, so about half go), counted; a floor above every score names the file."""
     from rlhf_core.rewards.sources import RewardSources
-    from rlhf_core.trainers.rlhf.inputs import ptx_keep
+    from rlhf_core.trainers.rlhf.inputs import load_ptx, ptx_keep
 
     assert ptx_keep(torch.tensor([-1.0, 0.0, 0.5]), 0.0).tolist() == [False, True, True]
     sft = pd.read_parquet(ws / "data/prepared/sft.parquet")
@@ -150,6 +150,8 @@ def test_ptx_min_reward_drops_the_rows_the_reward_model_scores_below_it(ws):
     assert tr.ptx_counts == {"ptx_rows": kept, "ptx_rows_dropped": len(sft) - kept}
     assert tr.ptx[0].n_examples == kept
     tr.step()  # trains on the kept rows
+    with pytest.raises(TrainingInputError, match="ptx_min_reward is set but no reward model scores"):
+        load_ptx(params("rlhf.ptx_coef=0.5", "rlhf.reward_fns={rm: 1.0}", "rlhf.ptx_min_reward=0"), ws, None)
     with pytest.raises(TrainingInputError, match=r"sft\.parquet: rlhf\.ptx_min_reward .* drops all"):
         _trainer(ws, "rlhf.ptx_coef=0.5", "rlhf.reward_fns={exact_answer: 1.0, rm: 0.0}",
                  f"rlhf.ptx_min_reward={float(scores.max()) + 1}")
