@@ -199,3 +199,47 @@ def test_ensemble_combines_standardised_scores_of_any_shape():
     # ((a - 1) / 2 + (b + 2) / 0.5) / 2, by hand
     torch.testing.assert_close(ens.combine([a, b]), torch.tensor([[0.5, 1.0], [3.0, -1.0]]))
     torch.testing.assert_close(ens.combine([a[0], b[0]]), torch.tensor([0.5, 1.0]))
+
+
+def _random_scorer(batch_size: int):
+    """A RewardScorer over a random tiny Llama backbone and the demo's BPE tokenizer (no training)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from rlhf_core.data.tokenizer import train_demo_tokenizer
+    from rlhf_core.models import RewardScorer, ValueHeadModel
+
+    tok = train_demo_tokenizer([f"Human: What is {a} + {b}?\n\nAssistant: {a + b}" for a in range(30)
+                                for b in range(30)], vocab_size=64)
+    torch.manual_seed(0)
+    backbone = LlamaModel(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=64, pad_token_id=tok.pad_token_id))
+    return RewardScorer(ValueHeadModel(backbone), tok, max_length=24, batch_size=batch_size, device="cpu")
+
+
+def test_rows_sharing_a_prompt_score_as_one_forward_over_the_full_rows():
+    """score_responses computes a prompt shared by rows of one batch once; the scores are those of one plain
+    forward over every full row (prompt + response + EOS, a cut row ending in EOS), and fewer positions run."""
+    from rlhf_core.data.collate import encode_sequences
+
+    scorer = _random_scorer(batch_size=6)
+    prompts = ["Human: What is 1 + 2?\n\nAssistant:"] * 4 + ["Human: What is 17 + 25?\n\nAssistant:"] * 4 + [
+        "Human: What is 3 + 3?\n\nAssistant:"]
+    responses = [" 3", " 13", " 4 4 4 4 4 4 4 4 4 4 4 4 4 4", "", " 42", " 4", " 43", " 1 7", " 6"]
+    seqs = encode_sequences(scorer.tokenizer, prompts, responses, 24, "<test>", keep_eos=True)
+    assert seqs.truncated == 1  # the long response is cut at max_length, its last kept token an EOS
+    ids, valid = seqs.tokens.pad(pad_value=scorer.tokenizer.pad_token_id)
+    one_forward = scorer.model(ids, valid.long()).scores.detach()
+
+    positions = []
+    hook = scorer.model.backbone.register_forward_pre_hook(
+        lambda module, args, kwargs: positions.append(kwargs["input_ids"].numel()), with_kwargs=True)
+    shared = scorer.score_responses(prompts, responses)
+    hook.remove()
+    torch.testing.assert_close(shared, one_forward, atol=1e-5, rtol=1e-5)
+    # batches of 6 rows: [4 x prompt A, 2 x prompt B] and [2 x prompt B, prompt C]: 2 + 2 passes (prefix, suffix)
+    assert len(positions) == 4 and sum(positions) < ids.numel()
+
+    rows = [0, 4, 8]  # three prompts: nothing shared, one plain pass
+    distinct = scorer.score_responses([prompts[i] for i in rows], [responses[i] for i in rows])
+    torch.testing.assert_close(distinct, one_forward[rows], atol=1e-5, rtol=1e-5)

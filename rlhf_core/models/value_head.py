@@ -94,6 +94,32 @@ class ValueHeadModel(nn.Module):
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.forward(input_ids, attention_mask).scores
 
+    def shared_prefix_scores(self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, owner: torch.Tensor,
+                             suffix_ids: torch.Tensor, suffix_mask: torch.Tensor) -> torch.Tensor | None:
+        """Scores ``[B]`` of the rows ``cat(prefix_ids[owner[i]], suffix_ids[i])`` with each prefix computed once.
+
+        ``prefix_ids`` ``[U, P]`` are left-padded (every prefix has at least one token), ``suffix_ids`` ``[B, S]``
+        right-padded (every suffix has at least one token, its last one is scored). The prefixes go through the
+        backbone once and their KV cache is indexed out to the rows (``Cache.batch_select_indices``); the suffixes
+        attend to it with the positions and attention mask of the full rows, so the scores are those of
+        ``forward`` over the full rows, up to float rounding, for ``U x P + B x S`` positions instead of
+        ``B x (P + S)``. None when the backbone returns no KV cache that can be indexed (a remote-code model):
+        score the full rows instead.
+        """
+        mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1).long()
+        positions = positions_from_mask(mask)
+        P = prefix_ids.shape[1]
+        cache = self.backbone(input_ids=prefix_ids, attention_mask=prefix_mask.long(),
+                              position_ids=positions_from_mask(prefix_mask.long()), use_cache=True).past_key_values
+        if not hasattr(cache, "batch_select_indices"):
+            return None
+        cache.batch_select_indices(owner)
+        out = self.backbone(input_ids=suffix_ids, attention_mask=mask, position_ids=positions[:, P:],
+                            past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return gather_last(values, suffix_mask)
+
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path) -> None:
         """Backbone with ``save_pretrained`` (safetensors) + value head weights + a small json."""

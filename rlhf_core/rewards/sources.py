@@ -24,7 +24,7 @@ class RewardSources:
     """Callable ``(prompts, completions, **columns) -> FloatTensor[B]`` over the configured sources."""
 
     def __init__(self, weights: dict[str, float], rm_path: str | Path | None = None, actor_tokenizer=None,
-                 on_mismatch: str = "retokenize", device: str | torch.device = "cpu"):
+                 on_mismatch: str = "retokenize", device: str | torch.device = "cpu", batch_size: int = 32):
         if not weights:
             raise ValueError("rlhf.reward_fns is empty: name at least one reward source")
         self.weights = dict(weights)
@@ -33,7 +33,7 @@ class RewardSources:
         if RM_SOURCE in self.weights:
             if rm_path is None or not Path(rm_path).is_dir():
                 raise ValueError(f"reward source 'rm' needs a trained reward model at {rm_path}")
-            self.rm = load_reward_model(rm_path, device)
+            self.rm = load_reward_model(rm_path, device, batch_size)
             if actor_tokenizer is not None and on_mismatch == "error" and not same_tokenizer(
                     self.rm.tokenizer, actor_tokenizer):
                 raise ValueError(f"the reward model at {rm_path} uses a different tokenizer than the actor "
@@ -57,8 +57,9 @@ def same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and a.eos_token == b.eos_token
 
 
-def load_reward_model(path: str | Path, device: str | torch.device = "cpu"):
-    """The trained RM's scorer (``score(texts) -> Tensor[B]``): the ensemble's mean when ``rm.ensemble`` > 1."""
+def load_reward_model(path: str | Path, device: str | torch.device = "cpu", batch_size: int = 32):
+    """The trained RM's scorer (``score(texts) -> Tensor[B]``, ``batch_size`` rows per forward): the ensemble's
+    mean when ``rm.ensemble`` > 1."""
     from rlhf_core.models import load_scorer
 
-    return load_scorer(path, device=device)
+    return load_scorer(path, device=device, batch_size=batch_size)

@@ -105,7 +105,8 @@ class RLHFTrainer:
         if tok.pad_token_id is None:
             raise TrainingInputError(f"tokenizer at {self.inputs.sft} has no pad token")
         self.reward = RewardSources(cfg.reward_fns, self.inputs.rm if self.inputs.uses_rm else None, tok,
-                                    cfg.rm_tokenizer_mismatch, device=D.device())
+                                    cfg.rm_tokenizer_mismatch, device=D.device(),
+                                    batch_size=cfg.micro_batch_size * cfg.grad_accum)
         self.prompts = load_prompts(params, root, tok)
         self.ptx, self.ptx_counts = None, {}
         if cfg.ptx_coef > 0:
