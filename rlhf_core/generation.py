@@ -260,26 +260,38 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
     Positions and the attention mask are those of the full rows, so the logits are those of one forward over
     ``sequences``. Rows of one run must carry identical prompts (checked).
     """
-    R = response_len
-    P = sequences.shape[1] - R
+    split = shared_prefix_split(sequences, attention_mask, response_len, group)
+    if split is None:
+        return None
+    first, owner, P = split
+    prefix_mask = attention_mask[first, :P - 1]
+    pre = model(input_ids=sequences[first, :P - 1], attention_mask=prefix_mask,
+                position_ids=position_ids(prefix_mask), logits_to_keep=1, use_cache=True)
+    cache = pre.past_key_values
+    cache.batch_select_indices(owner)
+    out = model(input_ids=sequences[:, P - 1:], attention_mask=attention_mask,
+                position_ids=position_ids(attention_mask)[:, P - 1:], past_key_values=cache,
+                logits_to_keep=response_len + 1, use_cache=True)
+    return out.logits[:, :-1, :]
+
+
+def shared_prefix_split(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                        group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """How :func:`shared_prefix_logits` (and the critic's ``sequence_values``) split rows whose runs of equal
+    ``group`` ids share their ``P`` prompt columns: ``(first, owner, P)`` with ``first`` the first row of each
+    run and ``owner`` each row's run index (on ``sequences``' device); None where nothing is shared or a
+    prefix (the prompt minus its last token) would be all padding. Rows of one run must carry identical
+    prompts (checked)."""
+    P = sequences.shape[1] - response_len
     first = torch.ones_like(group, dtype=torch.bool)
     first[1:] = group[1:] != group[:-1]
-    n_prefix = int(first.sum())
-    prefix_mask = attention_mask[first, :P - 1]
-    if n_prefix == len(group) or P < 2 or not bool(prefix_mask.any(dim=1).all()):
+    if int(first.sum()) == len(group) or P < 2 or not bool(attention_mask[first, :P - 1].any(dim=1).all()):
         return None
     owner = first.long().cumsum(0) - 1  # row -> its run's index among the prefixes
     prompts = sequences[:, :P]
     if not torch.equal(prompts[first][owner], prompts):
         raise ValueError("shared_prefix_logits: rows with the same group id carry different prompts")
-    pre = model(input_ids=sequences[first, :P - 1], attention_mask=prefix_mask,
-                position_ids=position_ids(prefix_mask), logits_to_keep=1, use_cache=True)
-    cache = pre.past_key_values
-    cache.batch_select_indices(owner.to(sequences.device))
-    out = model(input_ids=sequences[:, P - 1:], attention_mask=attention_mask,
-                position_ids=position_ids(attention_mask)[:, P - 1:], past_key_values=cache,
-                logits_to_keep=R + 1, use_cache=True)
-    return out.logits[:, :-1, :]
+    return first, owner.to(sequences.device), P
 
 
 def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

@@ -310,3 +310,37 @@ def test_ppo_group_mean_baseline_centres_scores_per_prompt_before_gae():
     out = compute_advantages(exp, algo("ppo", "gae", gamma=1.0, lam=1.0, whiten=False), kl_coef=0.0)
     assert out.rewards.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, -1.0]]
     assert out.advantages.tolist() == [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]
+
+
+def test_critic_values_and_gradients_with_each_prompt_computed_once_equal_the_full_forward():
+    """The critic's shared-prefix pass (groups of 3, 1 and 2 rows over left-padded prompts) gives the values and
+    parameter gradients of one forward over the full rows; rows of one group with different prompts are refused."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from rlhf_core.generation import response_mask
+    from rlhf_core.models import ValueHeadModel
+
+    torch.manual_seed(0)
+    critic = ValueHeadModel(LlamaModel(LlamaConfig(
+        vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=PAD)))
+    prompts = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]])
+    group = torch.tensor([0, 0, 0, 1, 2, 2])
+    responses = torch.tensor([[4, 5, EOS], [6, EOS, PAD], [4, 4, 4], [9, 3, EOS], [EOS, PAD, PAD], [5, 6, 7]])
+    seq = torch.cat([prompts[group], responses], dim=1)
+    att = torch.cat([(prompts[group] != PAD).long(), response_mask(responses, EOS)], dim=1)
+    mask = att[:, -3:].bool()
+
+    def run(g):
+        critic.zero_grad()
+        values = sequence_values(critic, seq, att, 3, g)
+        (values * mask).pow(2).sum().backward()
+        return values.detach(), [p.grad.clone() for p in critic.parameters()]
+
+    full, full_grads = run(None)
+    shared, shared_grads = run(group)
+    torch.testing.assert_close(shared[mask], full[mask], atol=1e-5, rtol=1e-5)
+    for a, b in zip(full_grads, shared_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="different prompts"):
+        sequence_values(critic, seq, att, 3, torch.tensor([0, 0, 0, 0, 2, 2]))

@@ -49,8 +49,9 @@ def _full(param: torch.Tensor) -> Iterator[torch.Tensor]:
 
 @dataclass
 class ValueHeadOutput:
-    values: torch.Tensor  # [B, T] one value per token
+    values: torch.Tensor  # [B, T] one value per token (per new token, on top of a cache)
     scores: torch.Tensor  # [B] value at the last non-pad token
+    past_key_values: object | None = None  # the backbone's KV cache, with use_cache
 
 
 class ValueHeadModel(nn.Module):
@@ -80,16 +81,20 @@ class ValueHeadModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> ValueHeadOutput:
+                position_ids: torch.Tensor | None = None, past_key_values=None,
+                use_cache: bool = False) -> ValueHeadOutput:
+        """Values of ``input_ids``; on top of ``past_key_values`` (a cache of the rows' earlier tokens),
+        ``attention_mask`` and ``position_ids`` cover the full rows and the new tokens respectively."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
-            position_ids = positions_from_mask(attention_mask)
+            position_ids = positions_from_mask(attention_mask)[:, -input_ids.shape[1]:]
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
+                            past_key_values=past_key_values, use_cache=use_cache)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
-        return ValueHeadOutput(values=values, scores=gather_last(values, attention_mask))
+        return ValueHeadOutput(values=values, scores=gather_last(values, attention_mask[:, -values.shape[1]:]),
+                               past_key_values=getattr(out, "past_key_values", None) if use_cache else None)
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.forward(input_ids, attention_mask).scores
@@ -106,19 +111,12 @@ class ValueHeadModel(nn.Module):
         ``B x (P + S)``. None when the backbone returns no KV cache that can be indexed (a remote-code model):
         score the full rows instead.
         """
-        mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1).long()
-        positions = positions_from_mask(mask)
-        P = prefix_ids.shape[1]
-        cache = self.backbone(input_ids=prefix_ids, attention_mask=prefix_mask.long(),
-                              position_ids=positions_from_mask(prefix_mask.long()), use_cache=True).past_key_values
+        cache = self.forward(prefix_ids, prefix_mask.long(), use_cache=True).past_key_values
         if not hasattr(cache, "batch_select_indices"):
             return None
         cache.batch_select_indices(owner)
-        out = self.backbone(input_ids=suffix_ids, attention_mask=mask, position_ids=positions[:, P:],
-                            past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
-        return gather_last(values, suffix_mask)
+        mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1).long()
+        return self.forward(suffix_ids, mask, past_key_values=cache, use_cache=True).scores
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path) -> None:

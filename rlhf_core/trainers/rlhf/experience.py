@@ -42,15 +42,29 @@ from rlhf_core.generation import (
     position_ids,
     response_logprobs,
     rollout,
+    shared_prefix_split,
 )
 
 
 # --------------------------------------------------------------------------- the critic's forward
-def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                    group: torch.Tensor | None = None) -> torch.Tensor:
     """Critic values ``[B, R]`` of the response actions: the value head at positions ``-R-1 .. -2``
-    (the state before each response token)."""
-    out = critic(sequences, attention_mask, position_ids(attention_mask))
-    return out.values[:, -response_len - 1:-1]
+    (the state before each response token).
+
+    ``group`` (rows of one prompt consecutive): each prompt but its last token goes through the critic once and
+    its KV cache is indexed out to its rows (``generation.shared_prefix_split``, as the actor's log-prob pass
+    does); the same values and gradients up to float rounding.
+    """
+    split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
+    if split is None:
+        return critic(sequences, attention_mask, position_ids(attention_mask)).values[:, -response_len - 1:-1]
+    first, owner, P = split
+    prefix_mask = attention_mask[first, :P - 1]
+    cache = critic(sequences[first, :P - 1], prefix_mask, use_cache=True).past_key_values
+    cache.batch_select_indices(owner)
+    out = critic(sequences[:, P - 1:], attention_mask, past_key_values=cache, use_cache=True)
+    return out.values[:, :-1]
 
 
 # --------------------------------------------------------------------------- responses
@@ -280,7 +294,9 @@ class ExperienceMaker:
         if cfg.need_ref:
             out["ref_logp"] = _batched(lambda s: logprobs(self.ref, s).float(), len(exp), bs)
         if cfg.need_values:
-            out["values"] = _batched(lambda s: sequence_values(self.critic, seq[s], att[s], R).float(), len(exp), bs)
+            out["values"] = _batched(lambda s: sequence_values(self.critic, seq[s], att[s], R,
+                                                               group[s] if group is not None else None).float(),
+                                     len(exp), bs)
         return out
 
     def _forward_passes(self, exp: Experience) -> None:

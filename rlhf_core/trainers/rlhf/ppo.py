@@ -69,9 +69,11 @@ def actor_loss(model, mb: Experience, cfg: ActorLossConfig, kl_coef: float,
     return loss, stats
 
 
-def critic_loss(model, mb: Experience, clip_eps: float | None, vf_coef: float) -> tuple[torch.Tensor, dict]:
-    """Clipped value loss against the GAE returns."""
-    values = sequence_values(model, mb.sequences, mb.attention_mask, mb.response_len)
+def critic_loss(model, mb: Experience, clip_eps: float | None, vf_coef: float,
+                shared_prefix: bool = False) -> tuple[torch.Tensor, dict]:
+    """Clipped value loss against the GAE returns (``shared_prefix``: each prompt of ``mb.group`` once)."""
+    values = sequence_values(model, mb.sequences, mb.attention_mask, mb.response_len,
+                             mb.group if shared_prefix else None)
     loss, stats = value_loss(values, mb.values, mb.returns, mb.action_mask, clip_eps)
     return vf_coef * loss, {"value_loss": loss.detach(), "vf_clipfrac": stats["vf_clipfrac"]}
 

@@ -281,7 +281,8 @@ class RLHFTrainer:
                         if self.ema is not None:
                             self.ema.update(self.actor.module)
                     if self.critic is not None:
-                        closs, cstats = critic_loss(self.critic, mb, cfg.ppo.value_clip_eps, cfg.ppo.vf_coef)
+                        closs, cstats = critic_loss(self.critic, mb, cfg.ppo.value_clip_eps, cfg.ppo.vf_coef,
+                                                     self.shared_prefix)
                         self._check_finite(closs.detach(), "critic loss")
                         self.critic.backward(closs)
                         self.critic.step()
