@@ -296,9 +296,11 @@ class RLHFConfig(OptimConfig):
     max_new_tokens: int = Field(8, ge=1, description="Response token limit during rollouts.")
     shared_prefix: bool = Field(
         True, description="Forward each prompt once for its group of samples (GRPO's G, PPO's "
-                          "`samples_per_prompt`) in the log-prob passes and the actor's training forward: the "
-                          "prompt's KV cache is shared by the group's responses (same logits and gradients up to "
-                          "float rounding, fewer FLOPs; docs/rlhf.md). Off under `compute.gradient_checkpointing`.")
+                          "`samples_per_prompt`) in the log-prob passes, the critic's value pass and the actor's "
+                          "and critic's training forward: the prompt's KV cache is shared by the group's "
+                          "responses (same logits, values and gradients up to float rounding, fewer FLOPs; "
+                          "docs/rlhf.md). Off under `compute.gradient_checkpointing`. RM scoring always computes "
+                          "a shared prompt once (inference only).")
     rollout_logprobs: Literal["generation", "recompute"] = Field(
         "generation", description="Where the rollout policy's log-probs (PPO's old log-probs) come from: "
                                   "`generation` records them while sampling (no second forward pass; equal to the "
