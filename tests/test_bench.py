@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2",
         "--warmup", "1", "--vocab", "64", "--threads", "1", "--matmul-n", "256"]
@@ -36,3 +38,19 @@ def test_bench_rm_counts_chosen_and_rejected_tokens():
     assert r.mfu > 0 and r.mfu_best >= r.mfu
     table = r.table()
     assert "MFU" in table and "tokens_per_s" in table and "peak matmul GFLOP/s" in table
+
+
+def test_shared_prefix_bench_prints_each_pass_and_the_two_agree(capsys):
+    """The shared-prompt benchmark times the actor, critic and RM passes both ways; on the tiny CPU model the
+    outputs and gradients agree to float rounding."""
+    from rlhf_core.bench.shared_prefix import main
+
+    rows = main(["--rows", "8", "--repeats", "1", "--layers", "1"])
+    assert [r["pass"] for r in rows] == ["actor fwd+bwd", "critic fwd+bwd", "rm score"]
+    for r in rows:
+        assert r["plain_ms"] > 0 and r["shared_ms"] > 0 and abs(r["ratio"] - r["shared_ms"] / r["plain_ms"]) < 0.01
+        assert r["max_abs_diff"] < 1e-4 and r["max_rel_grad_diff"] < 1e-3
+    assert rows[0]["max_rel_grad_diff"] > 0  # gradients were compared, not skipped
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3
+    with pytest.raises(SystemExit):
+        main(["--rows", "10", "--group", "4"])

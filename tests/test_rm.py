@@ -219,10 +219,11 @@ def _random_scorer(batch_size: int):
 
 def test_rows_sharing_a_prompt_score_as_one_forward_over_the_full_rows():
     """score_responses computes a prompt shared by rows of one batch once; the scores are those of one plain
-    forward over every full row (prompt + response + EOS, a cut row ending in EOS), and fewer positions run."""
+    forward over every full row (prompt + response + EOS, a cut row ending in EOS), and fewer positions run.
+    Where sharing would skip less than a quarter of the positions (short prompt, long responses), one plain pass."""
     from rlhf_core.data.collate import encode_sequences
 
-    scorer = _random_scorer(batch_size=6)
+    scorer = _random_scorer(batch_size=8)
     prompts = ["Human: What is 1 + 2?\n\nAssistant:"] * 4 + ["Human: What is 17 + 25?\n\nAssistant:"] * 4 + [
         "Human: What is 3 + 3?\n\nAssistant:"]
     responses = [" 3", " 13", " 4 4 4 4 4 4 4 4 4 4 4 4 4 4", "", " 42", " 4", " 43", " 1 7", " 6"]
@@ -235,11 +236,21 @@ def test_rows_sharing_a_prompt_score_as_one_forward_over_the_full_rows():
     hook = scorer.model.backbone.register_forward_pre_hook(
         lambda module, args, kwargs: positions.append(kwargs["input_ids"].numel()), with_kwargs=True)
     shared = scorer.score_responses(prompts, responses)
-    hook.remove()
     torch.testing.assert_close(shared, one_forward, atol=1e-5, rtol=1e-5)
-    # batches of 6 rows: [4 x prompt A, 2 x prompt B] and [2 x prompt B, prompt C]: 2 + 2 passes (prefix, suffix)
-    assert len(positions) == 4 and sum(positions) < ids.numel()
+    # batches of 8 rows: [4 x prompt A, 4 x prompt B] (prefixes, then suffixes), [prompt C] (one plain pass)
+    assert len(positions) == 3 and sum(positions) < ids.numel()
 
+    positions.clear()
     rows = [0, 4, 8]  # three prompts: nothing shared, one plain pass
     distinct = scorer.score_responses([prompts[i] for i in rows], [responses[i] for i in rows])
     torch.testing.assert_close(distinct, one_forward[rows], atol=1e-5, rtol=1e-5)
+    assert len(positions) == 1
+
+    positions.clear()
+    short, long = ["Human: 1\n\nAssistant:"] * 2, [" 1 2 3 4 5 6 7 8 9 1 2 3 4 5", " 9 8 7 6 5 4 3 2 1 9 8 7"]
+    cut = encode_sequences(scorer.tokenizer, short, long, 24, "<test>", keep_eos=True)
+    p_len, r_len = int(cut.prompt_lens[0]), int((cut.tokens.lengths - cut.prompt_lens).max())
+    assert p_len + 2 * r_len > 0.75 * 2 * (p_len + r_len)  # sharing would compute more than 3/4 of the positions
+    scorer.score_responses(short, long)
+    hook.remove()
+    assert len(positions) == 1
