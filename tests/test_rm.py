@@ -172,7 +172,7 @@ def test_rm_ensemble_trains_seeded_members_and_scores_their_standardised_mean(ws
     s1 = RewardScorer.from_pretrained(rm_dir / "members/1", device="cpu").score_responses(prompts, responses)
     by_hand = ((s0 - spec[0]["center"]) / spec[0]["scale"] + (s1 - spec[1]["center"]) / spec[1]["scale"]) / 2
     sources = RewardSources({"rm": 1.0}, rm_dir)
-    assert isinstance(sources.rm, EnsembleScorer)
+    assert isinstance(sources.rm, EnsembleScorer) and sources.rm.one_encoding  # one tokenisation for both
     torch.testing.assert_close(sources(prompts, responses), by_hand, atol=1e-5, rtol=1e-5)
 
 
@@ -201,7 +201,7 @@ def test_ensemble_combines_standardised_scores_of_any_shape():
     torch.testing.assert_close(ens.combine([a[0], b[0]]), torch.tensor([0.5, 1.0]))
 
 
-def _random_scorer(batch_size: int):
+def _random_scorer(batch_size: int, vocab_size: int = 64):
     """A RewardScorer over a random tiny Llama backbone and the demo's BPE tokenizer (no training)."""
     from transformers import LlamaConfig, LlamaModel
 
@@ -209,7 +209,7 @@ def _random_scorer(batch_size: int):
     from rlhf_core.models import RewardScorer, ValueHeadModel
 
     tok = train_demo_tokenizer([f"Human: What is {a} + {b}?\n\nAssistant: {a + b}" for a in range(30)
-                                for b in range(30)], vocab_size=64)
+                                for b in range(30)], vocab_size=vocab_size)
     torch.manual_seed(0)
     backbone = LlamaModel(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -254,3 +254,16 @@ def test_rows_sharing_a_prompt_score_as_one_forward_over_the_full_rows():
     scorer.score_responses(short, long)
     hook.remove()
     assert len(positions) == 1
+
+
+def test_an_ensemble_of_other_vocabularies_tokenises_per_member():
+    from rlhf_core.models import EnsembleScorer
+
+    a, b = _random_scorer(batch_size=4), _random_scorer(batch_size=4, vocab_size=48)
+    prompts, responses = ["Human: What is 1 + 2?\n\nAssistant:"] * 3, [" 3", " 4", " 13"]
+    same = EnsembleScorer([a, a], center=[0.0, 1.0], scale=[1.0, 2.0])
+    other = EnsembleScorer([a, b], center=[0.0, 1.0], scale=[1.0, 2.0])
+    assert same.one_encoding and not other.one_encoding
+    sa, sb = a.score_responses(prompts, responses), b.score_responses(prompts, responses)
+    torch.testing.assert_close(same.score_responses(prompts, responses), (sa + (sa - 1.0) / 2.0) / 2)
+    torch.testing.assert_close(other.score_responses(prompts, responses), (sa + (sb - 1.0) / 2.0) / 2)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.data.collate import Ragged, concat_rows, encode_prompts, encode_sequences
+from rlhf_core.data.collate import Ragged, TokenizedSequences, concat_rows, encode_prompts, encode_sequences
 from rlhf_core.models.value_head import ValueHeadModel
 
 
@@ -79,8 +79,15 @@ class RewardScorer:
         a GRPO group, compute it once (:meth:`ValueHeadModel.shared_prefix_scores`) where that skips at least a
         quarter of the positions (``SHARED_PREFIX_MAX_COST``): the same scores up to float rounding.
         """
-        seqs = encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>",
+        return self.score_encoded(self.encode(prompts, responses))
+
+    def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> TokenizedSequences:
+        """``prompt + response + EOS`` rows tokenised as the RM was trained (a cut row ends in EOS)."""
+        return encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>",
                                 keep_eos=True)
+
+    def score_encoded(self, seqs: TokenizedSequences) -> torch.Tensor:
+        """Scores of rows from :meth:`encode` (``score_responses`` without the tokenisation)."""
         rows, is_response = seqs.tokens, seqs.response_mask
         prompt_rows = Ragged.from_lengths(rows.flat[~is_response], seqs.prompt_lens)
         response_rows = Ragged.from_lengths(rows.flat[is_response], rows.lengths - seqs.prompt_lens)
@@ -129,6 +136,10 @@ class EnsembleScorer:
         self.center = torch.tensor(center, dtype=torch.float)
         self.scale = torch.tensor(scale, dtype=torch.float)
         self.tokenizer = self.members[0].tokenizer
+        first, tok = self.members[0], self.members[0].tokenizer
+        self.one_encoding = tok is not None and all(  # the members read the same tokens: encode a batch once
+            m.max_length == first.max_length and m.tokenizer is not None and m.tokenizer.get_vocab() == tok.get_vocab()
+            and m.tokenizer.eos_token_id == tok.eos_token_id for m in self.members[1:])
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device | None = None, batch_size: int = 32,
@@ -160,6 +171,11 @@ class EnsembleScorer:
         return self.combine([m.score(texts) for m in self.members])
 
     def score_responses(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        """Tokenised once where every member has the first one's vocabulary and length limit (the RM stage
+        trains them so), else by each member."""
+        if self.one_encoding:
+            seqs = self.members[0].encode(prompts, responses)
+            return self.combine([m.score_encoded(seqs) for m in self.members])
         return self.combine([m.score_responses(prompts, responses) for m in self.members])
 
 
