@@ -346,6 +346,22 @@ def test_dropout_is_off_so_the_first_ratio_is_one(ws):
     assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
+def test_a_critic_from_an_ensemble_starts_on_its_standardised_scale(ws):
+    """The ensemble's reward is standardised, member 0's head is raw: the critic's values are member 0's divided
+    by its scale; from a single RM they are the RM's own."""
+    from rlhf_core.models import ValueHeadModel
+    from rlhf_core.trainers.rlhf.models import load_critic
+
+    rm_dir = ws / "models/rm"
+    seq = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]])
+    with torch.no_grad():
+        raw = ValueHeadModel.from_pretrained(rm_dir, require_head=True)(seq).values
+        assert torch.equal(load_critic(params(), rm_dir)(seq).values, raw)
+        (rm_dir / "ensemble.json").write_text(json.dumps({"members": [
+            {"path": ".", "center": 1.5, "scale": 4.0}, {"path": "members/1", "center": -1.0, "scale": 2.0}]}))
+        torch.testing.assert_close(load_critic(params(), rm_dir)(seq).values, raw / 4.0)
+
+
 @pytest.mark.parametrize("source", ["generation", "recompute"])
 def test_rollout_log_probs_recorded_while_sampling_equal_the_recomputed_ones(ws, monkeypatch, source):
     """Several optimizer steps per buffer need the rollout policy's log-probs before training. Recorded while

@@ -145,15 +145,7 @@ class EnsembleScorer:
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device | None = None, batch_size: int = 32,
                         trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> EnsembleScorer:
         """Load the ensemble that ``path / ensemble.json`` lists (member paths relative to ``path``)."""
-        import json
-
-        spec_file = Path(path) / ENSEMBLE_FILE
-        try:
-            members = json.loads(spec_file.read_text())["members"]
-            paths, center, scale = ([m[key] for m in members] for key in ("path", "center", "scale"))
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{spec_file}: not an ensemble file (a `members` list of path/center/scale): "
-                             f"{err!r}") from err
+        paths, center, scale = read_ensemble_spec(path)
         scorers = [RewardScorer.from_pretrained(Path(path) / p, device=device, batch_size=batch_size,
                                                 trust_remote_code=trust_remote_code, dtype=dtype) for p in paths]
         return cls(scorers, center, scale)
@@ -177,6 +169,20 @@ class EnsembleScorer:
             seqs = self.members[0].encode(prompts, responses)
             return self.combine([m.score_encoded(seqs) for m in self.members])
         return self.combine([m.score_responses(prompts, responses) for m in self.members])
+
+
+def read_ensemble_spec(path: str | Path) -> tuple[list[str], list[float], list[float]]:
+    """The member paths, centers and scales that ``path / ensemble.json`` lists (an error names the file)."""
+    import json
+
+    spec_file = Path(path) / ENSEMBLE_FILE
+    try:
+        members = json.loads(spec_file.read_text())["members"]
+        paths, center, scale = ([m[key] for m in members] for key in ("path", "center", "scale"))
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{spec_file}: not an ensemble file (a `members` list of path/center/scale): "
+                         f"{err!r}") from err
+    return paths, center, scale
 
 
 def load_scorer(path: str | Path, **kwargs) -> RewardScorer | EnsembleScorer:

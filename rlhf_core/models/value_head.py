@@ -79,6 +79,11 @@ class ValueHeadModel(nn.Module):
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
+    def scale_head(self, factor: float) -> None:
+        """Multiply the value head by ``factor`` (every value and score scales with it)."""
+        with _full(self.value_head.weight) as w, torch.no_grad():
+            w.mul_(factor)
+
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None,

@@ -79,9 +79,20 @@ def load_reference(params: Params, sft_dir: Path, actor_engine, actor_init: Path
 
 
 def load_critic(params: Params, rm_dir: Path):
-    """The value model, initialised from the reward model (backbone and scalar head)."""
+    """The value model, initialised from the reward model (backbone and scalar head).
+
+    When ``rm_dir`` holds an ensemble (``rm.ensemble``), the reward is the members' mean *standardised* score
+    while the head is member 0's raw one: the head is divided by member 0's scale ``a_0`` (``ensemble.json``)
+    so the critic starts on the scale of the returns it learns, as OpenRLHF's critic divides its values by the
+    RM's reward std (``normalize_reward``).
+    """
+    from rlhf_core.models.scorer import ENSEMBLE_FILE, read_ensemble_spec
     from rlhf_core.models.value_head import ValueHeadModel
 
     with model_init_context(params.compute, params.rlhf):
         critic = ValueHeadModel.from_pretrained(rm_dir, require_head=True, **_model_kwargs(params))
+    if (Path(rm_dir) / ENSEMBLE_FILE).is_file():
+        paths, _, scale = read_ensemble_spec(rm_dir)
+        if "." in paths:  # the head is member "."'s (the RM stage writes it first)
+            critic.scale_head(1.0 / scale[paths.index(".")])
     return disable_dropout(prepare_for_training(critic, params.compute))
