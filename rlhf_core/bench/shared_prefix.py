@@ -82,7 +82,7 @@ def _compare(name, plain_fn, shared_fn, model, device, repeats):
 def run(args) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
-    from rlhf_core.generation import response_logprobs
+    from rlhf_core.generation import response_logprobs, shared_prefix_split
     from rlhf_core.models.value_head import ValueHeadModel
     from rlhf_core.trainers.rlhf.experience import sequence_values
 
@@ -110,8 +110,7 @@ def run(args) -> list[dict]:
         torch.where(mask, values, 0).pow(2).sum().backward()
         return torch.where(mask, values, 0)
 
-    first = torch.ones_like(group, dtype=torch.bool)
-    first[1:] = group[1:] != group[:-1]
+    first = shared_prefix_split(seq, att, R, group)[0]
 
     @torch.no_grad()
     def rm_plain():

@@ -65,6 +65,11 @@ def tiny_model_config(tokenizer, tiny: TinyModelConfig):
     )
 
 
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers turn text into the same ids: same vocabulary and EOS."""
+    return a.get_vocab() == b.get_vocab() and a.eos_token == b.eos_token
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """Load a tokenizer for training: left padding, and a pad token that is not EOS if one can be had.
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.data.collate import Ragged, TokenizedSequences, concat_rows, encode_prompts, encode_sequences
+from rlhf_core.data.tokenizer import same_tokenizer
 from rlhf_core.models.value_head import ValueHeadModel
 
 
@@ -136,10 +137,9 @@ class EnsembleScorer:
         self.center = torch.tensor(center, dtype=torch.float)
         self.scale = torch.tensor(scale, dtype=torch.float)
         self.tokenizer = self.members[0].tokenizer
-        first, tok = self.members[0], self.members[0].tokenizer
-        self.one_encoding = tok is not None and all(  # the members read the same tokens: encode a batch once
-            m.max_length == first.max_length and m.tokenizer is not None and m.tokenizer.get_vocab() == tok.get_vocab()
-            and m.tokenizer.eos_token_id == tok.eos_token_id for m in self.members[1:])
+        self.one_encoding = self.tokenizer is not None and all(  # same tokens for every member: encode once
+            m.max_length == self.members[0].max_length and m.tokenizer is not None
+            and same_tokenizer(m.tokenizer, self.tokenizer) for m in self.members[1:])
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device | None = None, batch_size: int = 32,

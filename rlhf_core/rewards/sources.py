@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.data.tokenizer import same_tokenizer
 from rlhf_core.rewards.registry import get_reward_fn
 
 RM_SOURCE = "rm"
@@ -51,10 +52,6 @@ class RewardSources:
         if self.rm is not None:
             total += self.weights[RM_SOURCE] * self.rm_scores(prompts, completions)
         return total
-
-
-def same_tokenizer(a, b) -> bool:
-    return a.get_vocab() == b.get_vocab() and a.eos_token == b.eos_token
 
 
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu", batch_size: int = 32):

@@ -78,8 +78,7 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
 def check_critic_tokenizer(sft_dir: Path, rm_dir: Path, trust_remote_code: bool) -> None:
     """The critic (initialised from the RM) reads the actor's token ids: refuse an RM with another vocabulary
     (the reward can be re-tokenised from text, the critic's per-token values cannot)."""
-    from rlhf_core.data.tokenizer import load_tokenizer
-    from rlhf_core.rewards.sources import same_tokenizer
+    from rlhf_core.data.tokenizer import load_tokenizer, same_tokenizer
 
     if not same_tokenizer(load_tokenizer(sft_dir, trust_remote_code), load_tokenizer(rm_dir, trust_remote_code)):
         raise TrainingInputError(
