@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _plant(root: Path, op: str, age_s: float) -> Path:
     lock = root / op / "lock"
-    lock.parent.mkdir(parents=True)
+    lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
     os.utime(lock, (time.time() - age_s, time.time() - age_s))
     return lock
@@ -70,26 +71,29 @@ def test_without_proc_a_lock_is_removed_only_once_it_is_stale(tmp_path, capsys):
     assert f"{young}: removed a build lock" in capsys.readouterr().err and not young.exists()
 
 
-def test_init_distributed_goes_on_past_a_lock_a_killed_process_left():
+def test_init_distributed_goes_on_past_a_lock_a_killed_process_left(tmp_path):
     """The hazard the kill campaign found: DeepSpeed's CPU shm op is loaded under torch's build lock; with a
-    stale ``lock`` in its build directory, ``init_distributed`` used to wait forever. The lock is planted where
-    a killed stage leaves it, in this machine's build directory (a copy elsewhere would be rebuilt: ~80 s)."""
-    lock = extensions_root() / "deepspeed_shm_comm" / "lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.touch()
-    os.utime(lock, (time.time() - 3600, time.time() - 3600))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    stale ``lock`` in its build directory, ``init_distributed`` used to wait forever.
+
+    The lock is planted in a build directory of this test's own (``TORCH_EXTENSIONS_DIR``): in the machine's
+    shared one, another process loading the op (a stage of the other test worker) could remove it first. The
+    op is copied in already built when this machine has it (ninja finds nothing to do: seconds, not the ~75 s
+    of a build); without it, the subprocess builds it."""
+    ext = tmp_path / "ext"
+    built = extensions_root() / "deepspeed_shm_comm"
+    if (built / "deepspeed_shm_comm.so").exists():
+        shutil.copytree(built, ext / built.name, symlinks=True, ignore=shutil.ignore_patterns("lock", ".ninja_lock"))
+    lock = _plant(ext, "deepspeed_shm_comm", age_s=3600)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(ext)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     code = ("from rlhf_core.engine import distributed as D; D.init_distributed(); "
             "import torch.distributed as dist; print('world', dist.get_world_size())")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        lock.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 1" in proc.stdout
     assert f"{lock}: removed a build lock" in proc.stderr
+    assert (ext / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").exists()  # the op loaded from this directory
 
 
 def test_ops_are_built_with_the_ninja_beside_this_python(monkeypatch):
