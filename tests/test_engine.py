@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,3 +236,19 @@ def test_value_model_save_load_and_scorer(tmp_path):
     assert one[0].item() == pytest.approx(scores[1].item(), abs=1e-5)  # batching/padding does not change a score
     pr = scorer.score_responses(["Human: What is 1 + 2?\n\nAssistant:"], [" 3"])
     assert pr.shape == (1,)
+
+
+def test_the_process_group_is_destroyed_when_the_process_exits():
+    """torch warns on NCCL that a group left at exit can leak resources: ``init_distributed`` registers
+    ``shutdown``. A check registered before it runs after it (atexit is last in, first out)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    code = ("import atexit, torch.distributed as dist; "
+            "atexit.register(lambda: print('at exit, initialised:', dist.is_initialized())); "
+            "from rlhf_core.engine import distributed as D; D.init_distributed(); "
+            "print('running, initialised:', dist.is_initialized()); D.shutdown(); D.shutdown(); D.init_distributed()")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "running, initialised: True" in proc.stdout
+    assert "at exit, initialised: False" in proc.stdout

@@ -8,6 +8,7 @@ backend is gloo; with CUDA it is nccl.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from typing import Any
@@ -38,12 +39,16 @@ def backend() -> str:
 def init_distributed() -> None:
     """Initialise torch.distributed through DeepSpeed (idempotent).
 
-    Under ``torchrun`` the launcher's env is used; otherwise a single-process world is created.
+    Under ``torchrun`` the launcher's env is used; otherwise a single-process world is created. The group is
+    destroyed when the process exits (``shutdown``), as torch asks of NCCL ("destroy_process_group() was not
+    called before program exit, which can leak resources").
     """
     configure_environment()
     if dist.is_available() and dist.is_initialized():
         return
     import deepspeed
+
+    atexit.register(shutdown)
 
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
@@ -57,6 +62,12 @@ def init_distributed() -> None:
         return
     load_comm_ops()
     deepspeed.init_distributed(dist_backend=backend(), verbose=False)
+
+
+def shutdown() -> None:
+    """Destroy the default process group, if there is one (idempotent)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def load_comm_ops() -> None:
