@@ -17,6 +17,7 @@ import torch
 
 from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.data import collate
+from rlhf_core.prefix_cache import position_ids, prefix_cache
 
 
 def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -32,11 +33,6 @@ def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
 def ended_with_eos(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """True for rows that contain an EOS (the response ended rather than hitting max length)."""
     return (responses == eos_token_id).any(dim=1)
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that ignore left padding: cumsum(mask) - 1, clamped at 0."""
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
 @dataclass
@@ -250,9 +246,10 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
     shared (every row its own group) or a prefix would be all padding.
 
     With ``P`` prompt columns, the prompt of each run of equal ``group`` ids minus its last token goes through
-    the model once (``P - 1`` positions, one logit kept); its KV cache is indexed out to the run's rows
-    (``Cache.batch_select_indices``: a gather, differentiable, so each prompt's gradient is the sum over its
-    rows); then every row's last prompt token and response go through on top of that cache::
+    the model once (``P - 1`` positions, one logit kept; the head all runs open with once for all of them:
+    ``prefix_cache.prefix_cache``); its KV cache is indexed out to the run's rows (``Cache.batch_select_indices``:
+    a gather, differentiable, so each prompt's gradient is the sum over its rows); then every row's last prompt
+    token and response go through on top of that cache::
 
         prefix:  x_g[:P-1]                   for the first row g of each run     (G x fewer prompt FLOPs)
         suffix:  [x_i[P-1], y_i]  attending to cache[g(i)]   ->  logits at positions -R-1 .. -2
@@ -264,12 +261,15 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
     if split is None:
         return None
     first, owner, P = split
-    prefix_mask = attention_mask[first, :P - 1]
-    pre = model(input_ids=sequences[first, :P - 1], attention_mask=prefix_mask,
-                position_ids=position_ids(prefix_mask), logits_to_keep=1, use_cache=True)
-    cache = pre.past_key_values
+
+    def forward(ids, mask, pos, cache):
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1,
+                     use_cache=True).past_key_values
+
+    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1])
     cache.batch_select_indices(owner)
-    out = model(input_ids=sequences[:, P - 1:], attention_mask=attention_mask,
+    mask = torch.cat([prefix_mask[owner], attention_mask[:, P - 1:]], dim=1)
+    out = model(input_ids=sequences[:, P - 1:], attention_mask=mask,
                 position_ids=position_ids(attention_mask)[:, P - 1:], past_key_values=cache,
                 logits_to_keep=response_len + 1, use_cache=True)
     return out.logits[:, :-1, :]

@@ -42,10 +42,11 @@ def test_bench_rm_counts_chosen_and_rejected_tokens():
 
 def test_shared_prefix_bench_prints_each_pass_and_the_two_agree(capsys):
     """The shared-prompt benchmark times the actor, critic and RM passes both ways; on the tiny CPU model the
-    outputs and gradients agree to float rounding."""
+    outputs and gradients agree to float rounding, with the prompts' common head computed once too."""
     from rlhf_core.bench.shared_prefix import main
 
-    rows = main(["--rows", "8", "--repeats", "1", "--layers", "1"])
+    rows = main(["--rows", "8", "--repeats", "1", "--layers", "1", "--head", "3"])
+    assert rows[0]["head"] == 3
     assert [r["pass"] for r in rows] == ["actor fwd+bwd", "critic fwd+bwd", "rm score"]
     for r in rows:
         assert r["plain_ms"] > 0 and r["shared_ms"] > 0 and abs(r["ratio"] - r["shared_ms"] / r["plain_ms"]) < 0.01

@@ -2,10 +2,11 @@
 
 ``python -m rlhf_core.bench.shared_prefix [--device cuda] [--dtype bf16] [--hidden 2048 --layers 16 ...]``
 
-Rows come as the RL stage makes them: ``rows / group`` prompts of 1/2..1 x ``--prompt-len`` tokens, left-padded,
-each repeated ``group`` times, and responses of 1..``--response-len`` tokens ending in EOS, right-padded. Three
-passes, each timed plain (every row computes its prompt) and shared (each prompt once, its KV cache indexed out
-to its rows), alternating, median of ``--repeats`` after one warm-up:
+Rows come as the RL stage makes them: ``rows / group`` prompts of 1/2..1 x ``--prompt-len`` tokens, left-padded, the
+first ``--head`` of them the same in every prompt (a system prompt or chat template's opening, computed once for all
+prompts: ``prefix_cache``), each prompt repeated ``group`` times, and responses of 1..``--response-len`` tokens
+ending in EOS, right-padded. Three passes, each timed plain (every row computes its prompt) and shared (each prompt
+once, its KV cache indexed out to its rows), alternating, median of ``--repeats`` after one warm-up:
 
 * ``actor fwd+bwd``: ``generation.response_logprobs`` (training forward and backward of the policy);
 * ``critic fwd+bwd``: ``experience.sequence_values`` (the PPO critic's value pass and training step);
@@ -33,6 +34,11 @@ def _rows(args, gen: torch.Generator):
     pos = torch.arange(args.prompt_len)
     pmask = pos[None] >= (args.prompt_len - lens)[:, None]
     prompts = torch.where(pmask, torch.randint(3, args.vocab, (n_prompts, args.prompt_len), generator=gen), 0)
+    if args.head:  # every prompt opens with the same --head tokens (a system prompt), each keeping one of its own
+        head = torch.randint(3, args.vocab, (args.head,), generator=gen)
+        k = pos[None] - (args.prompt_len - lens)[:, None]  # index among the prompt's real tokens
+        prompts = torch.where((k >= 0) & (k < args.head) & (k < lens[:, None] - 1), head[k.clamp(0, args.head - 1)],
+                              prompts)
     group = torch.arange(n_prompts).repeat_interleave(args.group)
     rlens = torch.randint(1, args.response_len + 1, (len(group),), generator=gen)
     rpos = torch.arange(args.response_len)
@@ -122,7 +128,7 @@ def run(args) -> list[dict]:
 
     head = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": args.dtype,
             "params_m": round(sum(p.numel() for p in actor.parameters()) / 1e6, 1), "rows": len(group),
-            "group": args.group, "prompt_len": args.prompt_len, "response_len": R,
+            "group": args.group, "prompt_len": args.prompt_len, "head": args.head, "response_len": R,
             "threads": torch.get_num_threads()}
     return [head | _compare("actor fwd+bwd", lambda: actor_pass(None), lambda: actor_pass(group), actor, device,
                             args.repeats),
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=12)
+    ap.add_argument("--head", type=int, default=0, help="tokens every prompt opens with")
     ap.add_argument("--response-len", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--rows", type=int, default=64)

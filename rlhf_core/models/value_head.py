@@ -24,15 +24,12 @@ from torch import nn
 
 from rlhf_core.algos import gather_last
 from rlhf_core.integrity import verify_model_dir
+from rlhf_core.prefix_cache import position_ids as positions_from_mask
+from rlhf_core.prefix_cache import prefix_cache
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
 FORMAT = "rlhf-ops/value-head"
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids counting only real tokens (0 at the first non-pad token), so padding side does not matter."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @contextlib.contextmanager
@@ -110,18 +107,22 @@ class ValueHeadModel(nn.Module):
 
         ``prefix_ids`` ``[U, P]`` are left-padded (every prefix has at least one token), ``suffix_ids`` ``[B, S]``
         right-padded (every suffix has at least one token, its last one is scored). The prefixes go through the
-        backbone once and their KV cache is indexed out to the rows (``Cache.batch_select_indices``); the suffixes
+        backbone once (the head they all open with once for all: ``prefix_cache.prefix_cache``) and their KV cache is indexed out to the rows (``Cache.batch_select_indices``); the suffixes
         attend to it with the positions and attention mask of the full rows, so the scores are those of
         ``forward`` over the full rows, up to float rounding, for ``U x P + B x S`` positions instead of
         ``B x (P + S)``. None when the backbone returns no KV cache that can be indexed (a remote-code model):
         score the full rows instead.
         """
-        cache = self.forward(prefix_ids, prefix_mask.long(), use_cache=True).past_key_values
-        if not hasattr(cache, "batch_select_indices"):
+        def forward(ids, mask, pos, cache):
+            return self.forward(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
+
+        cache, prefix_mask = prefix_cache(forward, prefix_ids, prefix_mask.long())
+        if cache is None:
             return None
         cache.batch_select_indices(owner)
-        mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1).long()
-        return self.forward(suffix_ids, mask, past_key_values=cache, use_cache=True).scores
+        mask = torch.cat([prefix_mask[owner], suffix_mask.long()], dim=1)
+        positions = positions_from_mask(mask)[:, -suffix_ids.shape[1]:]
+        return self.forward(suffix_ids, mask, positions, past_key_values=cache, use_cache=True).scores
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path) -> None:

@@ -44,6 +44,7 @@ from rlhf_core.generation import (
     rollout,
     shared_prefix_split,
 )
+from rlhf_core.prefix_cache import prefix_cache
 
 
 # --------------------------------------------------------------------------- the critic's forward
@@ -60,10 +61,15 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
     if split is None:
         return critic(sequences, attention_mask, position_ids(attention_mask)).values[:, -response_len - 1:-1]
     first, owner, P = split
-    prefix_mask = attention_mask[first, :P - 1]
-    cache = critic(sequences[first, :P - 1], prefix_mask, use_cache=True).past_key_values
+
+    def forward(ids, mask, pos, cache):
+        return critic(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
+
+    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1])
     cache.batch_select_indices(owner)
-    out = critic(sequences[:, P - 1:], attention_mask, past_key_values=cache, use_cache=True)
+    mask = torch.cat([prefix_mask[owner], attention_mask[:, P - 1:]], dim=1)
+    out = critic(sequences[:, P - 1:], mask, position_ids(attention_mask)[:, P - 1:], past_key_values=cache,
+                 use_cache=True)
     return out.values[:, :-1]
 
 

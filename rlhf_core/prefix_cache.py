@@ -1,0 +1,73 @@
+"""The KV cache of left-padded prompt prefixes, with the head they all share computed once.
+
+Prompts of one batch usually open alike: a BOS, a system prompt, a chat template's user turn (the demo's
+``"Human: What is "``, 16 of its ~35 tokens). Causal attention makes the keys and values of such a head the
+same in every row, so it can go through the model once and its cache be indexed out to the rows, as the
+group's prompt already is for its G samples (``generation.shared_prefix_logits``). The rows are re-laid out
+so that the head comes first::
+
+    [pad^p, h_1..h_K, r_1..r_m]   ->   [h_1..h_K, pad^p, r_1..r_m]
+
+Positions count real tokens only (``position_ids``) and masked keys add nothing to attention, so every real
+token sees the same keys at the same positions as in the left-padded row: the same outputs up to float
+rounding. The index that repeats the head is a gather, so the head's gradient is the sum over its rows.
+
+``prefix_cache`` serves every model with a cache whose rows can be indexed (``Cache.batch_select_indices``):
+the actor's and reference's log-prob passes, the critic and the reward model's scoring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# forward(input_ids, attention_mask over the cache and the new tokens, position_ids of the new tokens, cache)
+#   -> the cache extended by the new tokens
+CacheForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], object]
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only: cumsum(mask) - 1, clamped at 0 (padding anywhere is skipped)."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def common_head(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``(K, ids', mask')``: K, the number of real tokens every left-padded row of ``ids`` ``[N, C]`` opens
+    with, capped at the shortest row's length minus one (each row keeps a token of its own); and the rows
+    re-laid out head first (column ``j < K`` takes ``p + j``, ``K <= j < K + p`` takes the pad ``j - K``, the
+    rest stay, with ``p`` the row's padding). ``K = 0`` and the rows unchanged when there are fewer than two
+    rows or a row is not left-padded."""
+    N, C = ids.shape
+    lengths = mask.sum(dim=1)
+    pad = C - lengths
+    cols = torch.arange(C, device=ids.device)
+    left_padded = torch.equal(mask.bool(), cols[None, :] >= pad[:, None])
+    if N < 2 or not left_padded:
+        return 0, ids, mask
+    aligned = ids.gather(1, (cols[None, :] + pad[:, None]).clamp(max=C - 1))  # row i's real tokens from column 0
+    agree = (aligned == aligned[:1]).all(dim=0) & (cols < int(lengths.min()) - 1)
+    K = int(agree.long().cumprod(dim=0).sum())
+    if K == 0:
+        return 0, ids, mask
+    src = torch.where(cols < K, cols + pad[:, None], torch.where(cols < K + pad[:, None], cols - K, cols))
+    return K, ids.gather(1, src), mask.gather(1, src)
+
+
+def prefix_cache(forward: CacheForward, ids: torch.Tensor, mask: torch.Tensor) -> tuple[object, torch.Tensor]:
+    """The KV cache of the left-padded prefixes ``ids`` ``[N, C]`` and the attention mask ``[N, C]`` of its
+    columns (re-laid out by :func:`common_head`); what attends to the cache must extend that mask.
+
+    The common head goes through ``forward`` once (one row, K positions) and is indexed out to the N rows,
+    then each row's remaining ``C - K`` columns go through on top of it: ``K + N (C - K)`` positions instead of
+    ``N C``. The cache is None when the model's cannot be indexed (a remote-code model's tuples)."""
+    K, ids, mask = common_head(ids, mask)
+    pos = position_ids(mask)
+    if K == 0:
+        cache = forward(ids, mask, pos, None)
+        return (cache if hasattr(cache, "batch_select_indices") else None), mask
+    head = forward(ids[:1, :K], mask[:1, :K], pos[:1, :K], None)
+    if not hasattr(head, "batch_select_indices"):
+        return None, mask
+    head.batch_select_indices(torch.zeros(len(ids), dtype=torch.long, device=ids.device))
+    return forward(ids[:, K:], mask, pos[:, K:], head), mask
