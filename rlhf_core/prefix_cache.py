@@ -1,7 +1,7 @@
 """The KV cache of left-padded prompt prefixes, with the head they all share computed once.
 
 Prompts of one batch usually open alike: a BOS, a system prompt, a chat template's user turn (the demo's
-``"Human: What is "``, 16 of its ~35 tokens). Causal attention makes the keys and values of such a head the
+``"Human: What is "``, 4 of its 9-11 tokens). Causal attention makes the keys and values of such a head the
 same in every row, so it can go through the model once and its cache be indexed out to the rows, as the
 group's prompt already is for its G samples (``generation.shared_prefix_logits``). The rows are re-laid out
 so that the head comes first::

@@ -107,8 +107,9 @@ class ValueHeadModel(nn.Module):
 
         ``prefix_ids`` ``[U, P]`` are left-padded (every prefix has at least one token), ``suffix_ids`` ``[B, S]``
         right-padded (every suffix has at least one token, its last one is scored). The prefixes go through the
-        backbone once (the head they all open with once for all: ``prefix_cache.prefix_cache``) and their KV cache is indexed out to the rows (``Cache.batch_select_indices``); the suffixes
-        attend to it with the positions and attention mask of the full rows, so the scores are those of
+        backbone once (the head they all open with once for all: ``prefix_cache.prefix_cache``) and their KV
+        cache is indexed out to the rows (``Cache.batch_select_indices``); the suffixes attend to it with the
+        positions and attention mask of the full rows, so the scores are those of
         ``forward`` over the full rows, up to float rounding, for ``U x P + B x S`` positions instead of
         ``B x (P + S)``. None when the backbone returns no KV cache that can be indexed (a remote-code model):
         score the full rows instead.
