@@ -266,9 +266,8 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1,
                      use_cache=True).past_key_values
 
-    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1])
-    cache.batch_select_indices(owner)
-    mask = torch.cat([prefix_mask[owner], attention_mask[:, P - 1:]], dim=1)
+    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1], owner)
+    mask = torch.cat([prefix_mask, attention_mask[:, P - 1:]], dim=1)
     out = model(input_ids=sequences[:, P - 1:], attention_mask=mask,
                 position_ids=position_ids(attention_mask)[:, P - 1:], past_key_values=cache,
                 logits_to_keep=response_len + 1, use_cache=True)

@@ -54,20 +54,26 @@ def common_head(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tenso
     return K, ids.gather(1, src), mask.gather(1, src)
 
 
-def prefix_cache(forward: CacheForward, ids: torch.Tensor, mask: torch.Tensor) -> tuple[object, torch.Tensor]:
-    """The KV cache of the left-padded prefixes ``ids`` ``[N, C]`` and the attention mask ``[N, C]`` of its
-    columns (re-laid out by :func:`common_head`); what attends to the cache must extend that mask.
+def prefix_cache(forward: CacheForward, ids: torch.Tensor, mask: torch.Tensor,
+                 owner: torch.Tensor) -> tuple[object, torch.Tensor]:
+    """The KV cache of the left-padded prefixes ``ids`` ``[N, C]`` indexed out to the rows (row ``i`` gets prefix
+    ``owner[i]``), and the rows' attention mask ``[B, C]`` over its columns (re-laid out by :func:`common_head`);
+    what attends to the cache must extend that mask.
 
-    The common head goes through ``forward`` once (one row, K positions) and is indexed out to the N rows,
-    then each row's remaining ``C - K`` columns go through on top of it: ``K + N (C - K)`` positions instead of
-    ``N C``. The cache is None when the model's cannot be indexed (a remote-code model's tuples)."""
+    The common head goes through ``forward`` once (one row, K positions) and is indexed out to the N prefixes,
+    then each prefix's remaining ``C - K`` columns go through on top of it: ``K + N (C - K)`` positions instead
+    of ``N C``. The cache is None when the model's cannot be indexed (a remote-code model's tuples)."""
     K, ids, mask = common_head(ids, mask)
     pos = position_ids(mask)
     if K == 0:
         cache = forward(ids, mask, pos, None)
-        return (cache if hasattr(cache, "batch_select_indices") else None), mask
-    head = forward(ids[:1, :K], mask[:1, :K], pos[:1, :K], None)
-    if not hasattr(head, "batch_select_indices"):
-        return None, mask
-    head.batch_select_indices(torch.zeros(len(ids), dtype=torch.long, device=ids.device))
-    return forward(ids[:, K:], mask, pos[:, K:], head), mask
+    else:
+        head = forward(ids[:1, :K], mask[:1, :K], pos[:1, :K], None)
+        if not hasattr(head, "batch_select_indices"):
+            return None, mask[owner]
+        head.batch_select_indices(torch.zeros(len(ids), dtype=torch.long, device=ids.device))
+        cache = forward(ids[:, K:], mask, pos[:, K:], head)
+    if not hasattr(cache, "batch_select_indices"):
+        return None, mask[owner]
+    cache.batch_select_indices(owner)
+    return cache, mask[owner]

@@ -117,13 +117,11 @@ class ValueHeadModel(nn.Module):
         def forward(ids, mask, pos, cache):
             return self.forward(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
 
-        cache, prefix_mask = prefix_cache(forward, prefix_ids, prefix_mask.long())
+        cache, prefix_mask = prefix_cache(forward, prefix_ids, prefix_mask.long(), owner)
         if cache is None:
             return None
-        cache.batch_select_indices(owner)
-        mask = torch.cat([prefix_mask[owner], suffix_mask.long()], dim=1)
-        positions = positions_from_mask(mask)[:, -suffix_ids.shape[1]:]
-        return self.forward(suffix_ids, mask, positions, past_key_values=cache, use_cache=True).scores
+        mask = torch.cat([prefix_mask, suffix_mask.long()], dim=1)
+        return self.forward(suffix_ids, mask, past_key_values=cache, use_cache=True).scores
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path) -> None:

@@ -65,11 +65,9 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
     def forward(ids, mask, pos, cache):
         return critic(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
 
-    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1])
-    cache.batch_select_indices(owner)
-    mask = torch.cat([prefix_mask[owner], attention_mask[:, P - 1:]], dim=1)
-    out = critic(sequences[:, P - 1:], mask, position_ids(attention_mask)[:, P - 1:], past_key_values=cache,
-                 use_cache=True)
+    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1], owner)
+    out = critic(sequences[:, P - 1:], torch.cat([prefix_mask, attention_mask[:, P - 1:]], dim=1),
+                 past_key_values=cache, use_cache=True)  # positions: from that mask, as the full rows'
     return out.values[:, :-1]
 
 
