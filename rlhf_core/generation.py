@@ -17,7 +17,7 @@ import torch
 
 from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.data import collate
-from rlhf_core.prefix_cache import position_ids, prefix_cache
+from rlhf_core.prefix_cache import by_length, position_ids, prefix_cache, response_lengths, select_rows
 
 
 def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -224,38 +224,42 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     """Logits ``[B, R, V]`` that score the last ``R = response_len`` tokens of ``sequences``, divided by
     ``temperature`` (the distribution that sampled them; TRL and OpenRLHF do the same).
 
-    Only the ``R + 1`` last positions are computed (``logits_to_keep``): the logits at position ``t`` score
-    token ``t + 1``, so positions ``-R-1 .. -2`` score the response. Positions ignore left padding.
+    The logits at position ``t`` score token ``t + 1``: positions ``-R-1 .. -2`` score the response, so the last
+    token is not fed and only the ``R`` last positions of the rest are computed (``logits_to_keep``). Positions
+    ignore left padding.
 
-    ``group`` (``[B]``, rows of one prompt consecutive, e.g. GRPO's G samples) computes each prompt once:
-    :func:`shared_prefix_logits`. The same logits (and gradients) up to float rounding, fewer FLOPs.
+    ``group`` (``[B]``, rows of one prompt consecutive, e.g. GRPO's G samples) computes each prompt once and
+    each response only as wide as its bucket of lengths: :func:`shared_prefix_logits`. The same logits (and
+    gradients) at the response's masked-in positions up to float rounding, fewer FLOPs; 0 past them.
     """
     if group is not None:
         logits = shared_prefix_logits(model, sequences, attention_mask, response_len, group)
         if logits is not None:
             return logits / temperature if temperature != 1.0 else logits
-    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                logits_to_keep=response_len + 1, use_cache=False)
-    logits = out.logits[:, :-1, :]
+    mask = attention_mask[:, :-1]
+    logits = model(input_ids=sequences[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
+                   logits_to_keep=response_len, use_cache=False).logits
     return logits / temperature if temperature != 1.0 else logits
 
 
 def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                          group: torch.Tensor) -> torch.Tensor | None:
     """``response_logits`` (temperature 1) with each shared prompt computed once, or None where nothing is
-    shared (every row its own group) or a prefix would be all padding.
+    shared (every row its own group), a prefix would be all padding, or the model's cache cannot be indexed.
 
     With ``P`` prompt columns, the prompt of each run of equal ``group`` ids minus its last token goes through
     the model once (``P - 1`` positions, one logit kept; the head all runs open with once for all of them:
-    ``prefix_cache.prefix_cache``); its KV cache is indexed out to the run's rows (``Cache.batch_select_indices``:
-    a gather, differentiable, so each prompt's gradient is the sum over its rows); then every row's last prompt
-    token and response go through on top of that cache::
+    ``prefix_cache.prefix_cache``). The rows are cut into buckets by response length
+    (``prefix_cache.length_buckets``); per bucket of width ``w`` the runs' KV cache is indexed out to its rows
+    (``prefix_cache.select_rows``: a gather, differentiable, so each prompt's gradient is the sum over its
+    rows), and every row's last prompt token and first ``w - 1`` response tokens go through on top of it::
 
-        prefix:  x_g[:P-1]                   for the first row g of each run     (G x fewer prompt FLOPs)
-        suffix:  [x_i[P-1], y_i]  attending to cache[g(i)]   ->  logits at positions -R-1 .. -2
+        prefix:  x_g[:P-1]                          for the first row g of each run     (G x fewer prompt FLOPs)
+        suffix:  [x_i[P-1], y_i[:w-1]]  attending to cache[g(i)]   ->  logits scoring y_i[:w]
 
     Positions and the attention mask are those of the full rows, so the logits are those of one forward over
-    ``sequences``. Rows of one run must carry identical prompts (checked).
+    ``sequences`` at every masked-in response position; past a row's bucket width they are 0. Rows of one run
+    must carry identical prompts (checked).
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group)
     if split is None:
@@ -266,12 +270,18 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1,
                      use_cache=True).past_key_values
 
-    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1], owner)
-    mask = torch.cat([prefix_mask, attention_mask[:, P - 1:]], dim=1)
-    out = model(input_ids=sequences[:, P - 1:], attention_mask=mask,
-                position_ids=position_ids(attention_mask)[:, P - 1:], past_key_values=cache,
-                logits_to_keep=response_len + 1, use_cache=True)
-    return out.logits[:, :-1, :]
+    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1], None)
+    if cache is None:
+        return None
+    pos = position_ids(attention_mask)
+
+    def suffix_logits(rows: torch.Tensor, w: int) -> torch.Tensor:
+        cols = slice(P - 1, P - 1 + w)
+        mask = torch.cat([prefix_mask[owner[rows]], attention_mask[rows, cols]], dim=1)
+        return model(input_ids=sequences[rows, cols], attention_mask=mask, position_ids=pos[rows, cols],
+                     past_key_values=select_rows(cache, owner[rows]), logits_to_keep=w, use_cache=True).logits
+
+    return by_length(response_lengths(attention_mask[:, P:]), response_len, suffix_logits)
 
 
 def shared_prefix_split(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

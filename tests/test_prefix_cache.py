@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.prefix_cache import common_head, position_ids, prefix_cache
+from rlhf_core.prefix_cache import common_head, length_buckets, position_ids, prefix_cache, response_lengths
 
 PAD, EOS = 0, 2
 
@@ -67,12 +67,13 @@ def test_the_head_runs_once_and_the_logits_and_gradients_are_the_full_forwards()
         return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
     full, full_grads = run(None)
-    assert calls == [(6, 11)]
+    assert calls == [(6, 10)]  # the last token scores nothing: not fed
     shared, shared_grads = run(group)
     hook.remove()
     # head "1 7 8 9" once; each of the 3 prompts' other 3 of its 7 prefix columns; every row's last prompt token
-    # and response: 4 + 9 + 24 positions instead of 66
-    assert calls == [(1, 4), (3, 3), (6, 4)]
+    # and response but its last token (lengths 3 2 3 3 1 3: two buckets would save 2 of 18, one bucket):
+    # 4 + 9 + 18 positions instead of 60
+    assert calls == [(1, 4), (3, 3), (6, 3)]
     m = att[:, -3:].bool()
     torch.testing.assert_close(shared[m], full[m], atol=1e-5, rtol=1e-5)
     for a, b in zip(full_grads, shared_grads, strict=True):
@@ -85,3 +86,65 @@ def test_prefix_cache_returns_no_cache_a_model_cannot_index():
     cache, mask = prefix_cache(lambda i, m, p, c: ((torch.zeros(1),),), ids, (ids != PAD).long(),
                                torch.tensor([0, 0, 1]))
     assert cache is None and mask.tolist() == [[1, 1, 0, 1], [1, 1, 0, 1], [1, 1, 1, 1]]
+
+
+def test_length_buckets_by_hand():
+    # one long row among short ones: cut at 1 -> 5 x 1 + 1 x 5 = 10 positions instead of 6 x 5 = 30
+    (short, w1), (long, w2) = length_buckets(torch.tensor([1, 1, 5, 1, 1, 1]))
+    assert (short.tolist(), w1, long.tolist(), w2) == ([0, 1, 3, 4, 5], 1, [2], 5)
+    # the best cut (at 2: 2 x 2 + 4 x 3 = 16 of 18) saves less than MIN_BUCKET_SAVING: one bucket
+    [(rows, w)] = length_buckets(torch.tensor([3, 2, 3, 3, 1, 3]))
+    assert rows.tolist() == list(range(6)) and w == 3
+    # three lengths: the cut is where it saves most (at 2: 3 x 2 + 1 x 8 = 14; at 1: 1 + 3 x 8 = 25)
+    assert [(r.tolist(), w) for r, w in length_buckets(torch.tensor([2, 1, 8, 2]))] == [([0, 1, 3], 2), ([2], 8)]
+    # all-masked rows still get one column; equal lengths are one bucket
+    assert [(r.tolist(), w) for r, w in length_buckets(torch.tensor([0, 0]))] == [([0, 1], 1)]
+    assert response_lengths(torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])).tolist() == [2, 3, 0]
+
+
+def test_responses_bucketed_by_length_give_the_full_forwards_logits_values_and_gradients():
+    """Five one-token responses and one of four: the rows go through in two buckets (widths 1 and 4), and the
+    actor's logits and the critic's values at every masked-in response position, and their parameter gradients,
+    are those of one forward over the full rows; past a row's bucket width they are 0."""
+    from rlhf_core.generation import response_logits, response_mask
+    from rlhf_core.models.value_head import ValueHeadModel
+    from rlhf_core.trainers.rlhf.experience import sequence_values
+
+    model = _tiny_lm()
+    prompts = torch.tensor([[PAD, 1, 7, 8, 5, 6], [1, 7, 8, 9, 3, 6]])
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    responses = torch.tensor([[EOS, PAD, PAD, PAD], [4, 5, 6, EOS], [EOS, PAD, PAD, PAD],
+                              [EOS, PAD, PAD, PAD], [EOS, PAD, PAD, PAD], [EOS, PAD, PAD, PAD]])
+    seq = torch.cat([prompts[group], responses], dim=1)
+    att = torch.cat([(prompts[group] != PAD).long(), response_mask(responses, EOS)], dim=1)
+    m = att[:, -4:].bool()
+    calls = []
+    hook = model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                                  with_kwargs=True)
+
+    def run(net, fn, g):
+        net.zero_grad()
+        calls.clear()
+        out = fn(g)
+        (out * m.reshape(*m.shape, *[1] * (out.dim() - 2))).sum().backward()
+        return out.detach(), [p.grad.clone() for p in net.parameters()]
+
+    actor = lambda g: response_logits(model, seq, att, 4, group=g)  # noqa: E731
+    full, full_grads = run(model, actor, None)
+    shared, shared_grads = run(model, actor, group)
+    # head "1 7 8" once, each prompt's other 2 prefix columns, then 5 rows x 1 column and 1 row x 4 columns
+    assert calls == [(1, 3), (2, 2), (5, 1), (1, 4)]
+    torch.testing.assert_close(shared[m], full[m], atol=1e-5, rtol=1e-5)
+    assert shared[~m].abs().sum() == 0
+    for a, b in zip(full_grads, shared_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    hook.remove()
+
+    critic = ValueHeadModel(model.model)
+    value = lambda g: sequence_values(critic, seq, att, 4, g)  # noqa: E731
+    full, full_grads = run(critic, value, None)
+    shared, shared_grads = run(critic, value, group)
+    torch.testing.assert_close(shared[m], full[m], atol=1e-5, rtol=1e-5)
+    assert shared[~m].abs().sum() == 0
+    for a, b in zip(full_grads, shared_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -44,31 +44,40 @@ from rlhf_core.generation import (
     rollout,
     shared_prefix_split,
 )
-from rlhf_core.prefix_cache import prefix_cache
+from rlhf_core.prefix_cache import by_length, prefix_cache, response_lengths, select_rows
 
 
 # --------------------------------------------------------------------------- the critic's forward
 def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                     group: torch.Tensor | None = None) -> torch.Tensor:
-    """Critic values ``[B, R]`` of the response actions: the value head at positions ``-R-1 .. -2``
-    (the state before each response token).
+    """Critic values ``[B, R]`` of the response actions: the value head at positions ``-R-1 .. -2`` (the state
+    before each response token; the last token is not fed).
 
     ``group`` (rows of one prompt consecutive): each prompt but its last token goes through the critic once and
-    its KV cache is indexed out to its rows (``generation.shared_prefix_split``, as the actor's log-prob pass
-    does); the same values and gradients up to float rounding.
+    its KV cache is indexed out to its rows per bucket of response lengths, as the actor's log-prob pass does
+    (``generation.shared_prefix_logits``); the same values and gradients at the masked-in positions up to float
+    rounding, 0 past a row's bucket width.
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
-    if split is None:
-        return critic(sequences, attention_mask, position_ids(attention_mask)).values[:, -response_len - 1:-1]
-    first, owner, P = split
+    cache = None
+    if split is not None:
+        first, owner, P = split
 
-    def forward(ids, mask, pos, cache):
-        return critic(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
+        def forward(ids, mask, pos, cache):
+            return critic(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
 
-    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1], owner)
-    out = critic(sequences[:, P - 1:], torch.cat([prefix_mask, attention_mask[:, P - 1:]], dim=1),
-                 past_key_values=cache, use_cache=True)  # positions: from that mask, as the full rows'
-    return out.values[:, :-1]
+        cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1], None)
+    if cache is None:
+        mask = attention_mask[:, :-1]
+        return critic(sequences[:, :-1], mask, position_ids(mask)).values[:, -response_len:]
+
+    def suffix_values(rows: torch.Tensor, w: int) -> torch.Tensor:
+        cols = slice(P - 1, P - 1 + w)
+        mask = torch.cat([prefix_mask[owner[rows]], attention_mask[rows, cols]], dim=1)
+        return critic(sequences[rows, cols], mask, past_key_values=select_rows(cache, owner[rows]),
+                      use_cache=True).values  # positions: from that mask, as the full rows'
+
+    return by_length(response_lengths(attention_mask[:, P:]), response_len, suffix_values)
 
 
 # --------------------------------------------------------------------------- responses
