@@ -17,6 +17,7 @@ import torch
 
 from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.data import collate
+from rlhf_core.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, supports_packing
 from rlhf_core.prefix_cache import by_length, position_ids, prefix_cache, response_lengths, select_rows
 
 
@@ -220,7 +221,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
 
 
 def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                    temperature: float = 1.0, group: torch.Tensor | None = None) -> torch.Tensor:
+                    temperature: float = 1.0, group: torch.Tensor | None = None, pack: bool = False) -> torch.Tensor:
     """Logits ``[B, R, V]`` that score the last ``R = response_len`` tokens of ``sequences``, divided by
     ``temperature`` (the distribution that sampled them; TRL and OpenRLHF do the same).
 
@@ -228,17 +229,24 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     token is not fed and only the ``R`` last positions of the rest are computed (``logits_to_keep``). Positions
     ignore left padding.
 
-    ``group`` (``[B]``, rows of one prompt consecutive, e.g. GRPO's G samples) computes each prompt once and
-    each response only as wide as its bucket of lengths: :func:`shared_prefix_logits`. The same logits (and
-    gradients) at the response's masked-in positions up to float rounding, fewer FLOPs; 0 past them.
+    ``group`` (``[B]``, rows of one prompt consecutive, e.g. GRPO's G samples) computes each prompt once: with
+    ``pack`` and an SDPA model, the group's responses packed after its prompt in one row
+    (``group_packing``, up to ``PACK_MAX_WIDTH`` columns); otherwise the prompt's KV cache indexed out to buckets
+    of response lengths (:func:`shared_prefix_logits`). The same logits (and gradients) at the response's
+    masked-in positions up to float rounding, fewer FLOPs; 0 past them.
     """
-    if group is not None:
-        logits = shared_prefix_logits(model, sequences, attention_mask, response_len, group)
-        if logits is not None:
-            return logits / temperature if temperature != 1.0 else logits
-    mask = attention_mask[:, :-1]
-    logits = model(input_ids=sequences[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
-                   logits_to_keep=response_len, use_cache=False).logits
+    split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
+    logits = None
+    if split is not None and pack and supports_packing(model):
+        packed = pack_groups(sequences, attention_mask, response_len, split[0], split[1])
+        if packed.width <= PACK_MAX_WIDTH:
+            logits = packed_logits(model, packed)
+    if split is not None and logits is None:
+        logits = _cached_prefix_logits(model, sequences, attention_mask, response_len, *split)
+    if logits is None:
+        mask = attention_mask[:, :-1]
+        logits = model(input_ids=sequences[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
+                       logits_to_keep=response_len, use_cache=False).logits
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -262,10 +270,11 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
     must carry identical prompts (checked).
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group)
-    if split is None:
-        return None
-    first, owner, P = split
+    return None if split is None else _cached_prefix_logits(model, sequences, attention_mask, response_len, *split)
 
+
+def _cached_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                          first: torch.Tensor, owner: torch.Tensor, P: int) -> torch.Tensor | None:
     def forward(ids, mask, pos, cache):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1,
                      use_cache=True).past_key_values
@@ -281,7 +290,7 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
         return model(input_ids=sequences[rows, cols], attention_mask=mask, position_ids=pos[rows, cols],
                      past_key_values=select_rows(cache, owner[rows]), logits_to_keep=w, use_cache=True).logits
 
-    return by_length(response_lengths(attention_mask[:, P:]), response_len, suffix_logits)
+    return by_length(response_lengths(attention_mask[:, P:]), suffix_logits, response_len)
 
 
 def shared_prefix_split(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
@@ -305,14 +314,14 @@ def shared_prefix_split(sequences: torch.Tensor, attention_mask: torch.Tensor, r
 
 def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                       temperature: float = 1.0, return_entropy: bool = False, entropy_grad: bool = False,
-                      group: torch.Tensor | None = None):
+                      group: torch.Tensor | None = None, pack: bool = False):
     """Log-probs ``[B, R]`` of the last ``R`` tokens of ``sequences`` under ``model`` (``response_logits``;
     ``group``: shared prompts computed once): the one log-prob pass of rollouts, training, the reference and tests.
 
     ``return_entropy`` also gives the per-token entropy ``[B, R]`` (differentiable only with ``entropy_grad``;
     otherwise computed without a graph, for logging).
     """
-    logits = response_logits(model, sequences, attention_mask, response_len, temperature, group)
+    logits = response_logits(model, sequences, attention_mask, response_len, temperature, group, pack)
     logp = logprobs_from_logits(logits, sequences[:, -response_len:])
     if return_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

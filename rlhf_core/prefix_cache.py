@@ -116,20 +116,25 @@ def length_buckets(lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     return [(rows[L <= cut].to(lengths.device), cut), (rows[L > cut].to(lengths.device), W)]
 
 
-def by_length(lengths: torch.Tensor, width: int, compute: Callable[[torch.Tensor, int], torch.Tensor]
-              ) -> torch.Tensor:
-    """``[B, width, ...]``: ``compute(rows, w)`` (``[len(rows), w, ...]``, the rows' first ``w`` columns) per
-    bucket of :func:`length_buckets`, each bucket's rows written into zeros (the columns past a row's bucket
-    width stay 0: they must be masked)."""
+def by_length(lengths: torch.Tensor, compute: Callable[[torch.Tensor, int], torch.Tensor],
+              width: int | None = None) -> torch.Tensor:
+    """``compute(rows, w)`` per bucket of :func:`length_buckets` (the rows' first ``w`` columns), put back in row
+    order: ``[B, ...]`` from parts ``[len(rows), ...]`` (one value per row, e.g. a score); with ``width``,
+    ``[B, width, ...]`` from parts ``[len(rows), w, ...]``, the columns past a row's bucket width 0 (they must
+    be masked)."""
     buckets = length_buckets(lengths)
-    if len(buckets) == 1 and buckets[0][1] == width:
-        return compute(buckets[0][0], width)
+    if len(buckets) == 1 and width in (None, buckets[0][1]):
+        return compute(*buckets[0])
     out = None
     for rows, w in buckets:
         part = compute(rows, w)
         if out is None:
-            out = part.new_zeros(len(lengths), width, *part.shape[2:])
-        out[rows, :w] = part
+            shape = (len(lengths), *part.shape[1:]) if width is None else (len(lengths), width, *part.shape[2:])
+            out = part.new_zeros(shape)
+        if width is None:
+            out[rows] = part
+        else:
+            out[rows, :w] = part
     return out
 
 

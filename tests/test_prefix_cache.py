@@ -105,7 +105,7 @@ def test_length_buckets_by_hand():
 def test_responses_bucketed_by_length_give_the_full_forwards_logits_values_and_gradients():
     """Five one-token responses and one of four: the rows go through in two buckets (widths 1 and 4), and the
     actor's logits and the critic's values at every masked-in response position, and their parameter gradients,
-    are those of one forward over the full rows; past a row's bucket width they are 0."""
+    are those of one forward over the full rows (past a row's bucket width they are 0); the RM's scores too."""
     from rlhf_core.generation import response_logits, response_mask
     from rlhf_core.models.value_head import ValueHeadModel
     from rlhf_core.trainers.rlhf.experience import sequence_values
@@ -148,3 +148,12 @@ def test_responses_bucketed_by_length_give_the_full_forwards_logits_values_and_g
     assert shared[~m].abs().sum() == 0
     for a, b in zip(full_grads, shared_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+    calls.clear()
+    model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                          with_kwargs=True)
+    with torch.no_grad():
+        pmask = (prompts != PAD).long()
+        scores = critic.shared_prefix_scores(prompts, pmask, group, responses, att[:, -4:])
+        assert calls == [(1, 3), (2, 3), (5, 1), (1, 4)]  # the RM's prefix is the whole prompt
+        torch.testing.assert_close(scores, critic(seq, att).scores, atol=1e-5, rtol=1e-5)

@@ -238,8 +238,8 @@ def test_rows_sharing_a_prompt_score_as_one_forward_over_the_full_rows():
     shared = scorer.score_responses(prompts, responses)
     torch.testing.assert_close(shared, one_forward, atol=1e-5, rtol=1e-5)
     # batches of 8 rows: [4 x prompt A, 4 x prompt B] (the two prompts' common head once, their rests, the
-    # suffixes), [prompt C] (one plain pass)
-    assert len(positions) == 4 and sum(positions) < ids.numel()
+    # suffixes in two buckets: the cut long response alone), [prompt C] (one plain pass)
+    assert positions[2:4] == [7 * 5, 1 * 15] and len(positions) == 5 and sum(positions) < ids.numel()
 
     positions.clear()
     rows = [0, 4, 8]  # three prompts: nothing shared, one plain pass

@@ -25,7 +25,7 @@ from torch import nn
 from rlhf_core.algos import gather_last
 from rlhf_core.integrity import verify_model_dir
 from rlhf_core.prefix_cache import position_ids as positions_from_mask
-from rlhf_core.prefix_cache import prefix_cache
+from rlhf_core.prefix_cache import by_length, prefix_cache, response_lengths, select_rows
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -107,21 +107,26 @@ class ValueHeadModel(nn.Module):
 
         ``prefix_ids`` ``[U, P]`` are left-padded (every prefix has at least one token), ``suffix_ids`` ``[B, S]``
         right-padded (every suffix has at least one token, its last one is scored). The prefixes go through the
-        backbone once (the head they all open with once for all: ``prefix_cache.prefix_cache``) and their KV
-        cache is indexed out to the rows (``Cache.batch_select_indices``); the suffixes attend to it with the
-        positions and attention mask of the full rows, so the scores are those of
-        ``forward`` over the full rows, up to float rounding, for ``U x P + B x S`` positions instead of
-        ``B x (P + S)``. None when the backbone returns no KV cache that can be indexed (a remote-code model):
+        backbone once (the head they all open with once for all: ``prefix_cache.prefix_cache``); per bucket of
+        suffix lengths (``prefix_cache.length_buckets``) their KV cache is indexed out to the bucket's rows and
+        the suffixes, cut to the bucket's width, attend to it with the positions and attention mask of the full
+        rows, so the scores are those of ``forward`` over the full rows, up to float rounding, for at most
+        ``U x P + B x S`` positions instead of ``B x (P + S)``. None when the backbone returns no KV cache that can be indexed (a remote-code model):
         score the full rows instead.
         """
         def forward(ids, mask, pos, cache):
             return self.forward(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
 
-        cache, prefix_mask = prefix_cache(forward, prefix_ids, prefix_mask.long(), owner)
+        cache, prefix_mask = prefix_cache(forward, prefix_ids, prefix_mask.long(), None)
         if cache is None:
             return None
-        mask = torch.cat([prefix_mask, suffix_mask.long()], dim=1)
-        return self.forward(suffix_ids, mask, past_key_values=cache, use_cache=True).scores
+
+        def suffix_scores(rows: torch.Tensor, w: int) -> torch.Tensor:
+            mask = torch.cat([prefix_mask[owner[rows]], suffix_mask[rows, :w].long()], dim=1)
+            return self.forward(suffix_ids[rows, :w], mask, past_key_values=select_rows(cache, owner[rows]),
+                                use_cache=True).scores
+
+        return by_length(response_lengths(suffix_mask), suffix_scores)
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path) -> None:

@@ -77,7 +77,7 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
         return critic(sequences[rows, cols], mask, past_key_values=select_rows(cache, owner[rows]),
                       use_cache=True).values  # positions: from that mask, as the full rows'
 
-    return by_length(response_lengths(attention_mask[:, P:]), response_len, suffix_values)
+    return by_length(response_lengths(attention_mask[:, P:]), suffix_values, response_len)
 
 
 # --------------------------------------------------------------------------- responses
@@ -210,6 +210,7 @@ class MakerConfig:
     baseline: Callable[[torch.Tensor], torch.Tensor]  # Algorithm.baseline: scores -> baselined scores
     no_eos_penalty: float | None = None
     shared_prefix: bool = False  # log-prob passes compute each group's prompt once
+    pack_groups: bool = False  # ... with the group's responses packed after it (``group_packing``)
     drop_uniform_groups: bool = False  # drop groups whose scores are all equal (zero advantage on every row)
 
 
@@ -300,7 +301,8 @@ class ExperienceMaker:
         group = exp.group.to(dev) if cfg.shared_prefix else None
 
         def logprobs(model, s: slice) -> torch.Tensor:
-            return response_logprobs(model, seq[s], att[s], R, t, group=group[s] if group is not None else None)
+            return response_logprobs(model, seq[s], att[s], R, t, group=group[s] if group is not None else None,
+                                     pack=cfg.pack_groups)
 
         if cfg.need_old_logp and exp.old_logp is None:  # not recorded while sampling
             out["old_logp"] = _batched(lambda s: logprobs(self.actor, s).float(), len(exp), bs)

@@ -42,9 +42,10 @@ class ActorLossConfig:
 
 
 def actor_loss(model, mb: Experience, cfg: ActorLossConfig, kl_coef: float,
-               shared_prefix: bool = False) -> tuple[torch.Tensor, dict]:
+               shared_prefix: bool = False, pack: bool = False) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate (+ KL in the loss, - entropy bonus) on ``mb`` (already on the model's device);
-    ``shared_prefix``: each prompt of ``mb.group`` is computed once (``generation.shared_prefix_logits``).
+    ``shared_prefix``: each prompt of ``mb.group`` is computed once, with ``pack`` its responses packed after it
+    (``generation.response_logits``).
 
     Without stored ``old_logp`` (one optimizer step per buffer, one epoch: the policy has not moved since
     the rollout) the ratio is taken against ``logp.detach()``: ratio = 1 with the same gradient, one forward
@@ -53,7 +54,7 @@ def actor_loss(model, mb: Experience, cfg: ActorLossConfig, kl_coef: float,
     mask = mb.action_mask.bool()
     logp, entropy = response_logprobs(model, mb.sequences, mb.attention_mask, mb.response_len, cfg.temperature,
                                       return_entropy=True, entropy_grad=cfg.entropy_coef > 0,
-                                      group=mb.group if shared_prefix else None)
+                                      group=mb.group if shared_prefix else None, pack=pack)
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
     loss, stats = policy_loss(logp, old, mb.advantages, mask, cfg.clip_eps, cfg.dual_clip)
     stats = {"policy_loss": loss.detach(), "clipfrac": stats["clipfrac"], "approx_kl": stats["approx_kl"]}

@@ -149,6 +149,7 @@ class RLHFTrainer:
                         need_old_logp=alg.kl_in_reward or not one_step_per_buffer,
                         need_ref=alg.needs_reference, need_values=alg.critic, baseline=alg.baseline,
                         no_eos_penalty=cfg.no_eos_penalty, shared_prefix=self.shared_prefix,
+                        pack_groups=cfg.pack_groups,
                         drop_uniform_groups=alg.drop_uniform_groups),
             device=self.device)
         if alg.adaptive_kl:
@@ -266,7 +267,7 @@ class RLHFTrainer:
                     if fill_logp:
                         mb.old_logp = None
                     loss, stats = actor_loss(self.actor, mb, self.algorithm.loss, self.kl_ctl.value,
-                                             self.shared_prefix)
+                                             self.shared_prefix, cfg.pack_groups)
                     logp = stats.pop("_logp")
                     if fill_logp and len(rows):
                         exp.old_logp[rows, :logp.shape[1]] = logp.float().cpu()

@@ -1,0 +1,123 @@
+"""A group's prompt once and its responses packed after it in one row (rlhf_core/group_packing.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core import group_packing
+from rlhf_core.generation import response_logits, response_mask, shared_prefix_split
+from rlhf_core.group_packing import pack_groups, supports_packing
+
+PAD, EOS = 0, 2
+T, F = True, False
+
+# two prompts (3 and 4 real tokens) with 2 and 3 samples; responses of 3, 1, 2, 3 (no EOS) and 1 tokens
+PROMPTS = torch.tensor([[PAD, 1, 7, 8], [1, 7, 9, 5]])
+GROUP = torch.tensor([0, 0, 1, 1, 1])
+RESPONSES = torch.tensor([[4, 5, EOS], [EOS, PAD, PAD], [6, EOS, PAD], [9, 9, 9], [EOS, PAD, PAD]])
+
+
+def _rows():
+    seq = torch.cat([PROMPTS[GROUP], RESPONSES], dim=1)
+    att = torch.cat([(PROMPTS[GROUP] != PAD).long(), response_mask(RESPONSES, EOS)], dim=1)
+    return seq, att
+
+
+def _tiny_lm(attn: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                         eos_token_id=EOS, pad_token_id=PAD)
+    config._attn_implementation = attn
+    return LlamaForCausalLM(config)
+
+
+def test_packed_rows_by_hand():
+    seq, att = _rows()
+    first, owner, _ = shared_prefix_split(seq, att, 3, GROUP)
+    p = pack_groups(seq, att, 3, first, owner)
+    # row 0: prompt 1 7 8, then [4 5] (the response 4 5 EOS but its last token), nothing of the EOS-only response
+    # row 1: prompt 1 7 9 5, then [6] and [9 9]
+    assert p.input_ids.tolist() == [[1, 7, 8, 4, 5, 0, 0], [1, 7, 9, 5, 6, 9, 9]]
+    # each response token at the position it has in its own row: prompt length + k
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 0], [0, 1, 2, 3, 4, 4, 5]]
+    # the logit scoring token k: the prompt's last column for k = 0, else the column of token k - 1 (flat u * 7 + w)
+    assert p.index.tolist() == [[2, 3, 4], [2, 0, 0], [10, 11, 7], [10, 12, 13], [10, 7, 7]]
+    assert p.valid.tolist() == [[T, T, T], [T, F, F], [T, T, F], [T, T, T], [T, F, F]]
+    m = p.attention_mask[:, 0]
+    assert m[1, 5].tolist() == [T, T, T, T, F, T, F]  # the second 9 of [9 9]: the prompt and itself, not [6]
+    assert m[1, 6].tolist() == [T, T, T, T, F, T, T]
+    assert m[1, 4].tolist() == [T, T, T, T, T, F, F]
+    assert m[0, 5].tolist() == [F, F, F, F, F, T, F]  # padding attends to itself only (no all-masked row)
+    assert m[0, 2].tolist() == [T, T, T, F, F, F, F]  # the prompt is causal
+
+
+def test_packed_logits_and_gradients_are_the_full_forwards_in_one_pass():
+    seq, att = _rows()
+    model = _tiny_lm()
+    m = att[:, -3:].bool()
+    calls = []
+    model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                          with_kwargs=True)
+
+    def run(group, pack):
+        model.zero_grad()
+        calls.clear()
+        logits = response_logits(model, seq, att, 3, temperature=0.7, group=group, pack=pack)
+        (logits * m[..., None]).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    full, full_grads = run(None, False)
+    packed, packed_grads = run(GROUP, True)
+    assert calls == [(2, 7)]  # one pass: 5 + 7 positions instead of 5 x 6
+    torch.testing.assert_close(packed[m], full[m], atol=1e-5, rtol=1e-5)
+    assert packed[~m].abs().sum() == 0
+    for a, b in zip(full_grads, packed_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_models_without_sdpa_and_rows_past_the_width_bound_share_the_prompt_cache_instead(monkeypatch):
+    seq, att = _rows()
+    calls = []
+
+    def shapes(model, **kwargs):
+        model.zero_grad()
+        calls.clear()
+        hook = model.model.register_forward_pre_hook(
+            lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        logits = response_logits(model, seq, att, 3, group=GROUP, pack=True)
+        hook.remove()
+        return logits, list(calls)
+
+    eager = _tiny_lm("eager")
+    assert not supports_packing(eager)
+    logits, cache_calls = shapes(eager)
+    assert len(cache_calls) > 1 and cache_calls[0][0] == 1  # the common head once, then the prompts, the suffixes
+    full = response_logits(eager, seq, att, 3)
+    torch.testing.assert_close(logits[att[:, -3:].bool()], full[att[:, -3:].bool()], atol=1e-5, rtol=1e-5)
+
+    sdpa = _tiny_lm()
+    assert shapes(sdpa)[1] == [(2, 7)]
+    monkeypatch.setattr(group_packing, "PACK_MAX_WIDTH", 6)
+    monkeypatch.setattr("rlhf_core.generation.PACK_MAX_WIDTH", 6)
+    assert len(shapes(sdpa)[1]) > 1
+
+
+def test_supports_packing_looks_through_wrappers():
+    class Wrapper:
+        def __init__(self, module):
+            self.module = module
+
+    assert supports_packing(Wrapper(Wrapper(_tiny_lm())))
+    assert not supports_packing(Wrapper(_tiny_lm("eager")))
+    assert not supports_packing(object())
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_rows_of_one_group_with_different_prompts_are_refused(pack):
+    seq, att = _rows()
+    with pytest.raises(ValueError, match="different prompts"):
+        response_logits(_tiny_lm(), seq, att, 3, group=torch.tensor([0, 0, 0, 1, 1]), pack=pack)
