@@ -47,11 +47,12 @@ def test_shared_prefix_bench_prints_each_pass_and_the_two_agree(capsys):
 
     rows = main(["--rows", "8", "--repeats", "1", "--layers", "1", "--head", "3"])
     assert rows[0]["head"] == 3
-    assert [r["pass"] for r in rows] == ["actor fwd+bwd", "critic fwd+bwd", "rm score"]
+    assert [r["pass"] for r in rows] == ["actor fwd+bwd", "actor fwd+bwd packed", "critic fwd+bwd", "rm score"]
     for r in rows:
         assert r["plain_ms"] > 0 and r["shared_ms"] > 0 and abs(r["ratio"] - r["shared_ms"] / r["plain_ms"]) < 0.01
         assert r["max_abs_diff"] < 1e-4 and r["max_rel_grad_diff"] < 1e-3
     assert rows[0]["max_rel_grad_diff"] > 0  # gradients were compared, not skipped
-    assert len(capsys.readouterr().out.strip().splitlines()) == 3
+    assert rows[1]["packed_width"] <= 12 + 4 * 7  # a prompt, then 4 responses but their last token
+    assert len(capsys.readouterr().out.strip().splitlines()) == 4
     with pytest.raises(SystemExit):
         main(["--rows", "10", "--group", "4"])

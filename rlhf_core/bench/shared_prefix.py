@@ -8,7 +8,10 @@ prompts: ``prefix_cache``), each prompt repeated ``group`` times, and responses 
 ending in EOS, right-padded. Three passes, each timed plain (every row computes its prompt) and shared (each prompt
 once, its KV cache indexed out to its rows), alternating, median of ``--repeats`` after one warm-up:
 
-* ``actor fwd+bwd``: ``generation.response_logprobs`` (training forward and backward of the policy);
+* ``actor fwd+bwd``: ``generation.response_logprobs`` (training forward and backward of the policy), shared: the
+  prompt's KV cache indexed out to buckets of response lengths;
+* ``actor fwd+bwd packed``: the same pass with each group's responses packed after its prompt in one row
+  (``group_packing``; ``--pack-max-width`` overrides the widest row it packs, to find where it stops paying);
 * ``critic fwd+bwd``: ``experience.sequence_values`` (the PPO critic's value pass and training step);
 * ``rm score``: ``ValueHeadModel.forward`` over the full rows against ``shared_prefix_scores`` (RM scoring).
 
@@ -88,7 +91,9 @@ def _compare(name, plain_fn, shared_fn, model, device, repeats):
 def run(args) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
+    from rlhf_core import generation
     from rlhf_core.generation import response_logprobs, shared_prefix_split
+    from rlhf_core.group_packing import pack_groups
     from rlhf_core.models.value_head import ValueHeadModel
     from rlhf_core.trainers.rlhf.experience import sequence_values
 
@@ -106,8 +111,8 @@ def run(args) -> list[dict]:
     R = args.response_len
     mask = att[:, -R:].bool()
 
-    def actor_pass(g):
-        logp = response_logprobs(actor, seq, att, R, group=g)
+    def actor_pass(g, pack=False):
+        logp = response_logprobs(actor, seq, att, R, group=g, pack=pack)
         torch.where(mask, logp, 0).sum().backward()
         return torch.where(mask, logp, 0)
 
@@ -116,7 +121,10 @@ def run(args) -> list[dict]:
         torch.where(mask, values, 0).pow(2).sum().backward()
         return torch.where(mask, values, 0)
 
-    first = shared_prefix_split(seq, att, R, group)[0]
+    first, owner, _ = shared_prefix_split(seq, att, R, group)
+    if args.pack_max_width:
+        generation.PACK_MAX_WIDTH = args.pack_max_width
+    packed_width = pack_groups(seq, att, R, first, owner).width
 
     @torch.no_grad()
     def rm_plain():
@@ -132,6 +140,8 @@ def run(args) -> list[dict]:
             "threads": torch.get_num_threads()}
     return [head | _compare("actor fwd+bwd", lambda: actor_pass(None), lambda: actor_pass(group), actor, device,
                             args.repeats),
+            head | _compare("actor fwd+bwd packed", lambda: actor_pass(None), lambda: actor_pass(group, True), actor,
+                            device, args.repeats) | {"packed_width": packed_width},
             head | _compare("critic fwd+bwd", lambda: critic_pass(None), lambda: critic_pass(group), critic, device,
                             args.repeats),
             head | _compare("rm score", rm_plain, rm_shared, None, device, args.repeats)]
@@ -154,6 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--init-std", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pack-max-width", type=int, default=0, help="pack rows up to this width (0: the library's)")
     args = ap.parse_args(argv)
     if args.rows % args.group:
         ap.error(f"--rows {args.rows} is not a multiple of --group {args.group}")
