@@ -24,13 +24,13 @@ def _rows():
     return seq, att
 
 
-def _tiny_lm(attn: str = "sdpa"):
+def _tiny_lm(attn: str = "sdpa", kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
-                         eos_token_id=EOS, pad_token_id=PAD)
+                         num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
     config._attn_implementation = attn
     return LlamaForCausalLM(config)
 
@@ -55,9 +55,10 @@ def test_packed_rows_by_hand():
     assert m[0, 2].tolist() == [T, T, T, F, F, F, F]  # the prompt is causal
 
 
-def test_packed_logits_and_gradients_are_the_full_forwards_in_one_pass():
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
+def test_packed_logits_and_gradients_are_the_full_forwards_in_one_pass(kv_heads):
     seq, att = _rows()
-    model = _tiny_lm()
+    model = _tiny_lm(kv_heads=kv_heads)
     m = att[:, -3:].bool()
     calls = []
     model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
