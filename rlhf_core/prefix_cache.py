@@ -104,16 +104,16 @@ def length_buckets(lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     """Rows ``[B]`` of ``lengths`` as ``[(rows, width)]``: one bucket of all rows at the longest length, or two
     (the rows up to a cut length ``c``, the rest) when the cut that minimises the positions computed,
     ``n(<= c) c + n(> c) max``, saves at least ``MIN_BUCKET_SAVING`` of ``B max``. Widths are at least 1."""
-    L = lengths.long().clamp(min=1).cpu()
-    W, B = int(L.max()), len(L)
-    values = torch.unique(L)[:-1]
-    short = (L[None, :] <= values[:, None]).sum(dim=1)
+    lens = lengths.long().clamp(min=1).cpu()
+    W, B = int(lens.max()), len(lens)
+    values = torch.unique(lens)[:-1]
+    short = (lens[None, :] <= values[:, None]).sum(dim=1)
     cost = short * values + (B - short) * W
     if len(values) == 0 or int(cost.min()) > (1 - MIN_BUCKET_SAVING) * B * W:
         return [(torch.arange(B, device=lengths.device), W)]
     cut = int(values[cost.argmin()])
     rows = torch.arange(B)
-    return [(rows[L <= cut].to(lengths.device), cut), (rows[L > cut].to(lengths.device), W)]
+    return [(rows[lens <= cut].to(lengths.device), cut), (rows[lens > cut].to(lengths.device), W)]
 
 
 def by_length(lengths: torch.Tensor, compute: Callable[[torch.Tensor, int], torch.Tensor],
