@@ -18,7 +18,7 @@ import torch
 from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.data import collate
 from rlhf_core.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, supports_packing
-from rlhf_core.prefix_cache import by_length, position_ids, prefix_cache, response_lengths, select_rows
+from rlhf_core.prefix_cache import on_shared_prefixes, position_ids, response_lengths
 
 
 def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -275,22 +275,17 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
 
 def _cached_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                           first: torch.Tensor, owner: torch.Tensor, P: int) -> torch.Tensor | None:
-    def forward(ids, mask, pos, cache):
+    def cache_forward(ids, mask, pos, cache):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1,
                      use_cache=True).past_key_values
 
-    cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1], None)
-    if cache is None:
-        return None
-    pos = position_ids(attention_mask)
+    def suffix_logits(ids, mask, cache):  # positions: the full rows', counted from the mask
+        return model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)[:, -ids.shape[1]:],
+                     past_key_values=cache, logits_to_keep=ids.shape[1], use_cache=True).logits
 
-    def suffix_logits(rows: torch.Tensor, w: int) -> torch.Tensor:
-        cols = slice(P - 1, P - 1 + w)
-        mask = torch.cat([prefix_mask[owner[rows]], attention_mask[rows, cols]], dim=1)
-        return model(input_ids=sequences[rows, cols], attention_mask=mask, position_ids=pos[rows, cols],
-                     past_key_values=select_rows(cache, owner[rows]), logits_to_keep=w, use_cache=True).logits
-
-    return by_length(response_lengths(attention_mask[:, P:]), suffix_logits, response_len)
+    return on_shared_prefixes(cache_forward, suffix_logits, sequences[first, :P - 1], attention_mask[first, :P - 1],
+                              owner, sequences[:, P - 1:], attention_mask[:, P - 1:],
+                              response_lengths(attention_mask[:, P:]), response_len)
 
 
 def shared_prefix_split(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

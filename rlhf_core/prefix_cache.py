@@ -59,12 +59,10 @@ def common_head(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tenso
     return K, ids.gather(1, src), mask.gather(1, src)
 
 
-def prefix_cache(forward: CacheForward, ids: torch.Tensor, mask: torch.Tensor,
-                 owner: torch.Tensor | None) -> tuple[object, torch.Tensor]:
-    """The KV cache of the left-padded prefixes ``ids`` ``[N, C]`` indexed out to the rows (row ``i`` gets prefix
-    ``owner[i]``), and the rows' attention mask ``[B, C]`` over its columns (re-laid out by :func:`common_head`);
-    what attends to the cache must extend that mask. ``owner`` None: the prefixes' own cache and mask ``[N, C]``
-    (index them per bucket of rows with :func:`select_rows`).
+def prefix_cache(forward: CacheForward, ids: torch.Tensor, mask: torch.Tensor) -> tuple[object, torch.Tensor]:
+    """The KV cache of the left-padded prefixes ``ids`` ``[N, C]`` and the attention mask ``[N, C]`` of its
+    columns (re-laid out by :func:`common_head`); what attends to the cache must extend that mask. Index it out
+    to rows with :func:`select_rows`.
 
     The common head goes through ``forward`` once (one row, K positions) and is indexed out to the N prefixes,
     then each prefix's remaining ``C - K`` columns go through on top of it: ``K + N (C - K)`` positions instead
@@ -76,15 +74,34 @@ def prefix_cache(forward: CacheForward, ids: torch.Tensor, mask: torch.Tensor,
     else:
         head = forward(ids[:1, :K], mask[:1, :K], pos[:1, :K], None)
         if not hasattr(head, "batch_select_indices"):
-            return None, mask[owner]
+            return None, mask
         head.batch_select_indices(torch.zeros(len(ids), dtype=torch.long, device=ids.device))
         cache = forward(ids[:, K:], mask, pos[:, K:], head)
-    if not hasattr(cache, "batch_select_indices"):
-        return None, mask if owner is None else mask[owner]
-    if owner is None:
-        return cache, mask
-    cache.batch_select_indices(owner)
-    return cache, mask[owner]
+    return (cache if hasattr(cache, "batch_select_indices") else None), mask
+
+
+# forward(input_ids, attention_mask over the cache and the new tokens, cache) -> the output for the new tokens
+SuffixForward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
+
+
+def on_shared_prefixes(cache_forward: CacheForward, suffix_forward: SuffixForward, prefix_ids: torch.Tensor,
+                       prefix_mask: torch.Tensor, owner: torch.Tensor, suffix_ids: torch.Tensor,
+                       suffix_mask: torch.Tensor, lengths: torch.Tensor, width: int | None = None
+                       ) -> torch.Tensor | None:
+    """``suffix_forward`` over the rows ``cat(prefix_ids[owner[i]], suffix_ids[i])`` with each prefix computed once
+    (:func:`prefix_cache`), the rows in buckets of ``lengths`` (:func:`by_length`): per bucket of width ``w`` the
+    cache is indexed out to its rows (:func:`select_rows`) and their first ``w`` suffix columns attend to it,
+    under the prefix mask extended by theirs. The output as :func:`by_length` assembles it (``width``: per
+    column); None when the model's cache cannot be indexed."""
+    cache, cache_mask = prefix_cache(cache_forward, prefix_ids, prefix_mask)
+    if cache is None:
+        return None
+
+    def bucket(rows: torch.Tensor, w: int) -> torch.Tensor:
+        mask = torch.cat([cache_mask[owner[rows]], suffix_mask[rows, :w]], dim=1)
+        return suffix_forward(suffix_ids[rows, :w], mask, select_rows(cache, owner[rows]))
+
+    return by_length(lengths, bucket, width)
 
 
 def select_rows(cache, rows: torch.Tensor):

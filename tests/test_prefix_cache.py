@@ -83,9 +83,8 @@ def test_the_head_runs_once_and_the_logits_and_gradients_are_the_full_forwards()
 def test_prefix_cache_returns_no_cache_a_model_cannot_index():
     """A model whose cache is a plain tuple (remote code) gets None: its caller scores the full rows."""
     ids = torch.tensor([[PAD, 1, 7, 8], [1, 7, 8, 9]])
-    cache, mask = prefix_cache(lambda i, m, p, c: ((torch.zeros(1),),), ids, (ids != PAD).long(),
-                               torch.tensor([0, 0, 1]))
-    assert cache is None and mask.tolist() == [[1, 1, 0, 1], [1, 1, 0, 1], [1, 1, 1, 1]]
+    cache, mask = prefix_cache(lambda i, m, p, c: ((torch.zeros(1),),), ids, (ids != PAD).long())
+    assert cache is None and mask.tolist() == [[1, 1, 0, 1], [1, 1, 1, 1]]
 
 
 def test_length_buckets_by_hand():

@@ -25,7 +25,7 @@ from torch import nn
 from rlhf_core.algos import gather_last
 from rlhf_core.integrity import verify_model_dir
 from rlhf_core.prefix_cache import position_ids as positions_from_mask
-from rlhf_core.prefix_cache import by_length, prefix_cache, response_lengths, select_rows
+from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -114,19 +114,14 @@ class ValueHeadModel(nn.Module):
         ``U x P + B x S`` positions instead of ``B x (P + S)``. None when the backbone returns no KV cache that can be indexed (a remote-code model):
         score the full rows instead.
         """
-        def forward(ids, mask, pos, cache):
+        def cache_forward(ids, mask, pos, cache):
             return self.forward(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
 
-        cache, prefix_mask = prefix_cache(forward, prefix_ids, prefix_mask.long(), None)
-        if cache is None:
-            return None
+        def suffix_scores(ids, mask, cache):
+            return self.forward(ids, mask, past_key_values=cache, use_cache=True).scores
 
-        def suffix_scores(rows: torch.Tensor, w: int) -> torch.Tensor:
-            mask = torch.cat([prefix_mask[owner[rows]], suffix_mask[rows, :w].long()], dim=1)
-            return self.forward(suffix_ids[rows, :w], mask, past_key_values=select_rows(cache, owner[rows]),
-                                use_cache=True).scores
-
-        return by_length(response_lengths(suffix_mask), suffix_scores)
+        return on_shared_prefixes(cache_forward, suffix_scores, prefix_ids, prefix_mask.long(), owner, suffix_ids,
+                                  suffix_mask.long(), response_lengths(suffix_mask))
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path) -> None:

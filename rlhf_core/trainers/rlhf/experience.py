@@ -44,7 +44,7 @@ from rlhf_core.generation import (
     rollout,
     shared_prefix_split,
 )
-from rlhf_core.prefix_cache import by_length, prefix_cache, response_lengths, select_rows
+from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths
 
 
 # --------------------------------------------------------------------------- the critic's forward
@@ -59,25 +59,23 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
     rounding, 0 past a row's bucket width.
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
-    cache = None
+    values = None
     if split is not None:
         first, owner, P = split
 
-        def forward(ids, mask, pos, cache):
+        def cache_forward(ids, mask, pos, cache):
             return critic(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
 
-        cache, prefix_mask = prefix_cache(forward, sequences[first, :P - 1], attention_mask[first, :P - 1], None)
-    if cache is None:
+        def suffix_values(ids, mask, cache):  # positions: from that mask, as the full rows'
+            return critic(ids, mask, past_key_values=cache, use_cache=True).values
+
+        values = on_shared_prefixes(cache_forward, suffix_values, sequences[first, :P - 1],
+                                    attention_mask[first, :P - 1], owner, sequences[:, P - 1:],
+                                    attention_mask[:, P - 1:], response_lengths(attention_mask[:, P:]), response_len)
+    if values is None:
         mask = attention_mask[:, :-1]
-        return critic(sequences[:, :-1], mask, position_ids(mask)).values[:, -response_len:]
-
-    def suffix_values(rows: torch.Tensor, w: int) -> torch.Tensor:
-        cols = slice(P - 1, P - 1 + w)
-        mask = torch.cat([prefix_mask[owner[rows]], attention_mask[rows, cols]], dim=1)
-        return critic(sequences[rows, cols], mask, past_key_values=select_rows(cache, owner[rows]),
-                      use_cache=True).values  # positions: from that mask, as the full rows'
-
-    return by_length(response_lengths(attention_mask[:, P:]), suffix_values, response_len)
+        values = critic(sequences[:, :-1], mask, position_ids(mask)).values[:, -response_len:]
+    return values
 
 
 # --------------------------------------------------------------------------- responses
