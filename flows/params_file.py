@@ -1,7 +1,10 @@
-"""Apply ``-S key.path=value`` overrides to ``params.yaml`` in place, as ``dvc exp run -S`` does.
+"""The pipeline's params file: a profile put in place, and ``-S key.path=value`` overrides applied to it.
 
-Comments and key order survive (ruamel round trip).  The result is validated
-before anything is written, so a bad override never reaches the file.
+DVC's stages read ``params.yaml`` (it tracks their params there), so a run with another profile
+(``rlhf run -p configs/smollm2.yaml``, a deployment's ``params_file``) first writes that profile over
+``params.yaml``, as ``dvc exp run`` edits it; ``git checkout params.yaml`` brings the demo profile back.
+Overrides keep comments and key order (ruamel round trip). Both are validated before anything is written,
+so a bad profile or override never reaches the file.
 """
 
 from __future__ import annotations
@@ -11,7 +14,23 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-from rlhf_core.config import apply_overrides, load_params, parse_override, validate
+from rlhf_core.config import DEFAULT_PARAMS, apply_overrides, load_params, parse_override, validate
+
+
+def use_profile(root: str | Path, profile: str | Path) -> bool:
+    """Write ``profile`` (relative to ``root``) over ``root/params.yaml`` when it is another file with other
+    contents; returns whether it did. A missing or invalid profile is an error naming it."""
+    root = Path(root)
+    src, dst = root / profile, root / DEFAULT_PARAMS
+    if not src.is_file():
+        raise FileNotFoundError(f"params file {src} not found")
+    load_params(src)  # ConfigError names the file and key
+    if dst.exists() and (src.resolve() == dst.resolve() or src.read_bytes() == dst.read_bytes()):
+        return False
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.write_bytes(src.read_bytes())
+    tmp.replace(dst)
+    return True
 
 
 def set_params(path: str | Path, overrides: list[str]) -> None:

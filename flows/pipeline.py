@@ -134,11 +134,13 @@ def rlhf_pipeline(
     logger = get_run_logger()
     tracking.quiet_library_logs()  # registration loads and saves models in this process too
     root_path = Path(root).resolve()
-    if overrides:
-        from flows.params_file import set_params
+    from flows.params_file import set_params, use_profile
 
-        set_params(root_path / params_file, overrides)
-    params = load_params(root_path / params_file)
+    if use_profile(root_path, params_file):
+        logger.info(f"{DEFAULT_PARAMS} <- {params_file} (the params DVC's stages read)")
+    if overrides:
+        set_params(root_path / DEFAULT_PARAMS, overrides)
+    params = load_params(root_path / DEFAULT_PARAMS)
     experiment_id = tracking.setup(params, root_path)  # fails fast when MLflow is unreachable
     prefix = tracking.registry_prefix(params)
     wanted = [s for s in (stages or pipeline_stages(root_path))]

@@ -49,6 +49,25 @@ class DemoDataConfig(_Section):
                                           "answer): what imitation cannot learn and the reward model can teach.")
 
 
+class ArithmeticDataConfig(_Section):
+    """`data.source: arithmetic`: sums and differences in many phrasings for a pretrained chat model
+    (`rlhf_core/rewards/arithmetic.py`; docs/data-card-arithmetic.md)."""
+
+    n_train: int = Field(4000, ge=10, description="Training rows (questions with operand pairs and phrasings not "
+                                                  "held out), split over SFT / RM / RL by `data_split`.")
+    n_held_out: int = Field(400, ge=3, description="Held-out rows, split over the phases' eval files the same way.")
+    max_operand: int = Field(99, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
+    ops: list[Literal["+", "-"]] = Field(default_factory=lambda: ["+", "-"], min_length=1,
+                                         description="Operators asked.")
+    held_out_pair_share: float = Field(0.15, ge=0.0, lt=1.0, description="Share of operand pairs held out.")
+    held_out_phrasings: int = Field(2, ge=0, description="Phrasings per operator held out (the last ones listed).")
+    base_negatives: int = Field(
+        256, ge=0, description="Preference pairs whose rejected answer is the base model's own sampled wrong "
+                               "answer (its final number in the answer style), sampled in prepare; the other "
+                               "pairs reject a near miss. 0: near misses only (no sampling).")
+    base_max_new_tokens: int = Field(24, ge=1, description="Tokens the base model may write per sampled answer.")
+
+
 class ColumnMap(_Section):
     prompt: str = Field("prompt", description="Source column holding the prompt.")
     response: str = Field("response", description="Source column holding the SFT response.")
@@ -82,10 +101,12 @@ class PhaseFiles(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["demo", "mixed", "per_phase"] = Field(
-        "demo", description="`demo`: built-in generator; `mixed`: `sources` split by `data_split`; "
-                            "`per_phase`: explicit `files` for each phase.")
+    source: Literal["demo", "arithmetic", "mixed", "per_phase"] = Field(
+        "demo", description="`demo`: built-in generator for the tiny model; `arithmetic`: real-text arithmetic "
+                            "for a pretrained chat model (`data.arithmetic`, its held-out split); `mixed`: "
+                            "`sources` split by `data_split`; `per_phase`: explicit `files` for each phase.")
     demo: DemoDataConfig = Field(default_factory=DemoDataConfig)
+    arithmetic: ArithmeticDataConfig = Field(default_factory=ArithmeticDataConfig)
     sources: list[SourceConfig] = Field(default_factory=list, description="Sources for `source: mixed`.")
     files: PhaseFiles = Field(default_factory=PhaseFiles, description="Sources for `source: per_phase`.")
     columns: ColumnMap = Field(default_factory=ColumnMap)
@@ -132,8 +153,10 @@ class TinyModelConfig(_Section):
 
 class ModelConfig(_Section):
     name_or_path: str | None = Field(
-        None, description="HF model id or local path; null builds the tiny demo model offline.")
-    tokenizer: str | None = Field(None, description="Tokenizer id or path; defaults to `name_or_path`.")
+        None, description="The base model, imported by prepare into `models/base`: a Hub id, a local HF folder, "
+                          "a `.gguf` file, or `pkg:<package>[/<file>.gguf]` (a GGUF an installed package ships); "
+                          "null builds the tiny demo model offline.")
+    tokenizer: str | None = Field(None, description="Tokenizer id or path (same forms); defaults to `name_or_path`.")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off by default).")
     chat_template: bool = Field(False, description="Render plain prompts with the tokenizer's chat template.")
@@ -380,6 +403,10 @@ class RLHFConfig(OptimConfig):
 
 class EvalConfig(_Section):
     max_prompts: int = Field(200, ge=1)
+    checker: Literal["exact", "final_number"] = Field(
+        "exact", description="How the checker judges an answer: `exact` (the completion is exactly the integer: "
+                             "the demo), `final_number` (the last integer it states: the arithmetic task, so a "
+                             "base model's \"23 + 45 = 68\" counts).")
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
     batch_size: int = Field(64, ge=1)

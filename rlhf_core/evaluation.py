@@ -82,8 +82,9 @@ def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=N
     """``accuracy`` (the checker on ``data.answers``; 0 without answers), ``eos_share``, ``response_length``,
     with a ``reward`` the mean ``proxy_reward``, with a ``ref`` the exact ``kl_to_reference``; ``ev`` gives
     ``max_new_tokens`` and ``batch_size``. Reduced over ranks."""
-    from rlhf_core.rewards import check_answer
+    from rlhf_core.rewards import get_checker
 
+    check_answer = get_checker(ev.checker)
     sums = torch.zeros(6, dtype=torch.float64)  # correct, eos, length, kl, proxy reward, n
     for rows, w, roll in answer_batches(model, tokenizer, data, ev.batch_size, ev.max_new_tokens, temperature,
                                         synced_gpus):

@@ -45,3 +45,17 @@ def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] | None = None) ->
         for line in raw_lines or []:
             fh.write(line + b"\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_tokenizer_dir(tmp_path_factory) -> str:
+    """A small BPE tokenizer with the demo chat template, trained on the arithmetic task's phrasings and saved to
+    a folder (what ``model.tokenizer`` may name): the arithmetic task without any model weights."""
+    from rlhf_core.data.tokenizer import train_demo_tokenizer
+    from rlhf_core.rewards.arithmetic import PHRASINGS
+
+    corpus = [t.format(a=a, b=b) for op in PHRASINGS for t in PHRASINGS[op] for a, b in ((12, 345), (67, 89))]
+    tok = train_demo_tokenizer(corpus + ["Human: Assistant: 0123456789"] * 3, vocab_size=300)
+    path = tmp_path_factory.mktemp("chat_tok")
+    tok.save_pretrained(path)
+    return str(path)

@@ -151,3 +151,14 @@ def test_every_stage_declares_the_sections_it_logs_and_the_stage_command():
         assert not missing, f"dvc.yaml stage {name} lacks params sections {sorted(missing)}"
         for dep in set(stage["deps"]) - produced:
             assert (REPO / dep).exists(), f"dvc.yaml stage {name}: dep {dep} does not exist"
+
+
+@pytest.mark.parametrize("path, ignored", [("rlhf_core/engine/__pycache__/loop.cpython-311.pyc", True),
+                                           ("rlhf_core/models/.loading.py.swp", True),
+                                           ("rlhf_core/engine/loop.py", False)])
+def test_dvcignore_keeps_bytecode_and_editor_files_out_of_stage_inputs(path, ignored):
+    """DVC itself says which files under a directory dep count: bytecode and editor files must not (an import
+    that wrote one re-ran sft, rm and rlhf)."""
+    out = subprocess.run([sys.executable, "-m", "dvc", "check-ignore", path], cwd=REPO, capture_output=True,
+                         text=True)
+    assert (out.returncode == 0) == ignored, out.stdout + out.stderr

@@ -217,8 +217,14 @@ def test_no_secret_from_the_environment_leaks(pipeline, tmp_path):
 
 
 def test_rerun_skips_every_stage_and_registers_nothing(pipeline):
+    import compileall
+
     from mlflow import MlflowClient
 
+    # every module imported in between writes bytecode beside the directory deps (rlhf_core/engine, ...): as
+    # `make test`, `rlhf bench` or a notebook would; .dvcignore keeps it out of the stages' inputs
+    assert compileall.compile_dir(pipeline["project"] / "rlhf_core", quiet=1, force=True)
+    assert list((pipeline["project"] / "rlhf_core/engine/__pycache__").glob("*.pyc"))
     again = rlhf_run(pipeline["project"], pipeline["uri"])
     assert again.returncode == 0, again.stderr[-4000:]
     out = again.stdout + again.stderr

@@ -71,18 +71,24 @@ def same_tokenizer(a, b) -> bool:
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """Load a tokenizer for training: left padding, and a pad token that is not EOS if one can be had.
+    """Load a tokenizer for training: left padding, and a pad token that is not EOS if one can be had (a
+    missing pad, or one equal to EOS as in SmolLM2's and TinyLlama's, becomes the UNK token when that is
+    distinct). ``path``: a folder, or anything ``model.name_or_path`` takes (``models.importing.locate``).
 
     Raises ``ValueError`` when the tokenizer has no pad token at all (name the path).
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    from rlhf_core.models.importing import load_source_tokenizer, locate
+
+    if Path(path).is_dir():
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    else:
+        tok = load_source_tokenizer(locate(str(path)), trust_remote_code)
+    if (tok.pad_token is None or tok.pad_token == tok.eos_token) and tok.unk_token not in (None, tok.eos_token):
+        tok.pad_token = tok.unk_token
     if tok.pad_token is None:
-        if tok.unk_token is not None and tok.unk_token != tok.eos_token:
-            tok.pad_token = tok.unk_token
-        else:
-            raise ValueError(f"tokenizer at {path} has no pad token; set one (distinct from EOS) and save it")
+        raise ValueError(f"tokenizer at {path} has no pad token; set one (distinct from EOS) and save it")
     if tok.eos_token is None:
         raise ValueError(f"tokenizer at {path} has no EOS token")
     tok.padding_side = "left"

@@ -1,6 +1,7 @@
 """Building, checking, adapting (LoRA) and saving the models the stages train.
 
-- The base policy is ``model.name_or_path`` (HF id or local path, safetensors only) or, when null,
+- The base policy is ``models/base``: the model ``model.name_or_path`` names (a GGUF file or a package that
+  ships one, a local HF folder, a Hub id), imported there by prepare (``models.importing``), or, when null,
   a fresh tiny Llama from ``models/base/config.json`` initialised with ``project.seed``.
 - The tokenizer always comes from ``models/base`` (written by prepare).
 - Saved models are plain HF directories (``save_pretrained``, safetensors) + tokenizer + ``rlhf_meta.json``.
@@ -68,10 +69,24 @@ def _model_kwargs(params: Params) -> dict:
             "attn_implementation": params.compute.attn_implementation}
 
 
+def imported_base(params: Params, root: str | Path) -> Path | None:
+    """``models/base`` when it holds the imported ``model.name_or_path`` (None for the tiny demo model); an error
+    names the folder when prepare has not imported it."""
+    if not params.model.name_or_path:
+        return None
+    path = Path(root) / paths.BASE_MODEL
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise TrainingInputError(f"{path}: no imported base model (config.json + safetensors) for model.name_or_path "
+                                 f"{params.model.name_or_path}; run `rlhf stage prepare`")
+    verify_model_dir(path)
+    return path
+
+
 def base_model_source(params: Params, root: str | Path) -> str:
-    """Where the base weights come from: ``model.name_or_path`` or ``models/base/config.json`` (fresh init)."""
-    if params.model.name_or_path:
-        return params.model.name_or_path
+    """Where the base weights come from: ``models/base`` (imported) or ``models/base/config.json`` (fresh init)."""
+    imported = imported_base(params, root)
+    if imported is not None:
+        return str(imported)
     config = Path(root) / paths.BASE_MODEL / "config.json"
     if not config.exists():
         raise TrainingInputError(f"{config} not found and model.name_or_path is null; run `rlhf stage prepare`")
@@ -79,12 +94,13 @@ def base_model_source(params: Params, root: str | Path) -> str:
 
 
 def build_causal_lm(params: Params, root: str | Path) -> torch.nn.Module:
-    """The base policy: ``from_pretrained(name_or_path)`` or a fresh tiny Llama seeded by ``project.seed``."""
+    """The base policy: ``from_pretrained(models/base)`` or a fresh tiny Llama seeded by ``project.seed``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = _model_kwargs(params)
-    if params.model.name_or_path:
-        return AutoModelForCausalLM.from_pretrained(params.model.name_or_path, use_safetensors=True, **kw)
+    imported = imported_base(params, root)
+    if imported is not None:
+        return AutoModelForCausalLM.from_pretrained(str(imported), use_safetensors=True, **kw)
     config = AutoConfig.from_pretrained(str(Path(root) / paths.BASE_MODEL), trust_remote_code=False)
     torch.manual_seed(params.project.seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=kw["attn_implementation"])
@@ -113,8 +129,9 @@ def build_value_model(params: Params, root: str | Path, init_from: str,
             causal = load_causal_lm(path, **kw)
             return ValueHeadModel(causal.base_model)
         return ValueHeadModel.from_pretrained(path, **kw)
-    if params.model.name_or_path:
-        backbone = AutoModel.from_pretrained(params.model.name_or_path, use_safetensors=True, **kw)
+    imported = imported_base(params, root)
+    if imported is not None:
+        backbone = AutoModel.from_pretrained(str(imported), use_safetensors=True, **kw)
     else:
         config = AutoConfig.from_pretrained(str(Path(root) / paths.BASE_MODEL))
         backbone = AutoModel.from_config(config, attn_implementation=kw["attn_implementation"])

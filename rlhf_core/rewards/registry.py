@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from rlhf_core.rewards.arithmetic import check_final_number
 from rlhf_core.rewards.demo_task import check_answer, parse_answer
 
 RewardFn = Callable[..., list[float]]
@@ -38,6 +39,15 @@ def exact_answer(prompts: Sequence[str], completions: Sequence[str], answer: Seq
     if answer is None:
         raise ValueError("reward 'exact_answer' needs an `answer` column in the prompts data")
     return [float(check_answer(c, a)) for c, a in zip(completions, answer, strict=True)]
+
+
+@register_reward("final_number")
+def final_number_reward(prompts: Sequence[str], completions: Sequence[str], answer: Sequence | None = None,
+                        **_: object) -> list[float]:
+    """1.0 when the last integer the completion states is the reference answer (the arithmetic task's checker)."""
+    if answer is None:
+        raise ValueError("reward 'final_number' needs an `answer` column in the prompts data")
+    return [float(check_final_number(c, a)) for c, a in zip(completions, answer, strict=True)]
 
 
 @register_reward("format")

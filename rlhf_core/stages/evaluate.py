@@ -33,7 +33,7 @@ from rlhf_core.atomic import write_json_atomic
 from rlhf_core.config import Params
 from rlhf_core.evaluation import HeldOut, answer_batches, sequence_kl
 from rlhf_core.meta import dir_sha256
-from rlhf_core.rewards import check_answer
+from rlhf_core.rewards import get_checker
 from rlhf_core.rewards.sources import RM_SOURCE, RewardSources
 
 
@@ -67,7 +67,7 @@ def answer_model(model, tok, prompts: list[str], params: Params) -> list:
 
 
 def summarise(rollouts, rewards: torch.Tensor, kl: torch.Tensor, answers: list | None,
-              judge: torch.Tensor | None = None) -> dict:
+              judge: torch.Tensor | None = None, checker: str = "exact") -> dict:
     texts = [t for r in rollouts for t in r.texts]
     lengths = torch.cat([r.action_mask.sum(dim=1).float() for r in rollouts])
     ended = torch.cat([r.ended.float() for r in rollouts])
@@ -76,6 +76,7 @@ def summarise(rollouts, rewards: torch.Tensor, kl: torch.Tensor, answers: list |
            "kl_to_reference": float(kl.mean()), "response_length": float(lengths.mean()),
            "eos_share": float(ended.mean()), "accuracy": None}
     if answers is not None:
+        check_answer = get_checker(checker)
         out["accuracy"] = sum(check_answer(t, a) for t, a in zip(texts, answers, strict=True)) / len(texts)
     return out
 
@@ -88,8 +89,9 @@ class Judge:
     missing); ``none`` turns judging off.
     """
 
-    def __init__(self, kind: str, answers: list | None, judge_model: str | None, root: Path):
+    def __init__(self, kind: str, answers: list | None, judge_model: str | None, root: Path, checker: str = "exact"):
         self.answers, self.rm, self.source = answers, None, None
+        self.check = get_checker(checker)
         if judge_model is None and (root / paths.JUDGE_MODEL / "config.json").exists():
             judge_model = str(paths.JUDGE_MODEL)  # trained by the rm stage (rm.judge)
         model_dir = (root / judge_model) if judge_model else None
@@ -110,7 +112,7 @@ class Judge:
 
     def __call__(self, prompts: list[str], texts: list[str]) -> torch.Tensor | None:
         if self.source == "checker":
-            return torch.tensor([float(check_answer(t, a)) for t, a in zip(texts, self.answers, strict=True)])
+            return torch.tensor([float(self.check(t, a)) for t, a in zip(texts, self.answers, strict=True)])
         if self.rm is not None:
             return self.rm.score_responses(prompts, texts).float().cpu()
         return None
@@ -142,7 +144,7 @@ def evaluate(params: Params, root: str | Path = ".", log=None) -> dict:
     if RM_SOURCE in weights and not rm_dir.is_dir():
         raise ValueError(f"{rm_dir} is missing, but rlhf.reward_fns (the proxy) names `rm`")
     reward_fn = RewardSources(weights, rm_dir, tok, params.rlhf.rm_tokenizer_mismatch)
-    judge = Judge(params.eval.judge, answers, params.eval.judge_model, root)
+    judge = Judge(params.eval.judge, answers, params.eval.judge_model, root, params.eval.checker)
     columns = {"answer": answers} if answers is not None else {}
 
     models = {"candidate": (candidate, tok), "reference": (reference, tok)}
@@ -162,7 +164,7 @@ def evaluate(params: Params, root: str | Path = ".", log=None) -> dict:
             kl = torch.cat([sequence_kl(model, reference, r, params.eval.batch_size) for r in rollouts])
         else:
             kl = torch.full((len(prompts),), float("nan"))
-        results[name] = summarise(rollouts, rewards[name], kl, answers, judged[name])
+        results[name] = summarise(rollouts, rewards[name], kl, answers, judged[name], params.eval.checker)
         if log is not None:
             log({f"{name}.{k}": v for k, v in results[name].items() if v is not None}, 0)
 

@@ -81,7 +81,7 @@ def run(params: Params, root: str | Path = ".", log=None) -> dict:
     write_parquet(out / "pairs.parquet", rows)
     counts = {**sampled, "prompts_with_pairs": len({p["prompt_index"] for p in pairs}), "pairs": len(pairs),
               "labelled": len(rows), **label_counts, **{f"dropped_{k}": v for k, v in sorted(dropped.items())}}
-    agreement = checker_agreement(pairs, choices, answers)
+    agreement = checker_agreement(pairs, choices, answers, params.eval.checker)
     manifest = {"round": n, "annotator": params.feedback.annotator, "counts": counts,
                 "label_agreement_with_checker": agreement,
                 "policy": json.loads((start_dir(root, n, "actor") / "rlhf_meta.json").read_text()).get("source"),
@@ -186,7 +186,7 @@ def annotate(params: Params, root: Path, n: int, pairs: list[dict], answers: lis
         if answers is None:
             raise DataError("feedback.annotator: checker needs reference answers (an `answer` column in the "
                             "prompts); use the file or rm annotator")
-        a_ok, b_ok = correctness(pairs, answers)
+        a_ok, b_ok = correctness(pairs, answers, params.eval.checker)
         choices, flipped = checker_choices(a_ok, b_ok, fb.label_noise,
                                            random.Random(params.project.seed * 7919 + n))
         return dict(zip([p["pair_id"] for p in pairs], choices, strict=True)), {"flipped": flipped}
@@ -203,9 +203,10 @@ def annotate(params: Params, root: Path, n: int, pairs: list[dict], answers: lis
     return choices, {"dropped": dropped}
 
 
-def correctness(pairs: list[dict], answers: list) -> tuple[list[bool], list[bool]]:
-    from rlhf_core.rewards import check_answer
+def correctness(pairs: list[dict], answers: list, checker: str = "exact") -> tuple[list[bool], list[bool]]:
+    from rlhf_core.rewards import get_checker
 
+    check_answer = get_checker(checker)
     a = [bool(check_answer(p["response_a"], answers[p["prompt_index"]])) for p in pairs]
     b = [bool(check_answer(p["response_b"], answers[p["prompt_index"]])) for p in pairs]
     return a, b
@@ -231,12 +232,13 @@ def judge_choices(params: Params, root: Path, pairs: list[dict]) -> dict[str, st
     return {p["pair_id"]: ("tie" if abs(d) < 1e-3 else "a" if d > 0 else "b") for p, d in zip(pairs, diff, strict=True)}
 
 
-def checker_agreement(pairs: list[dict], choices: dict[str, str], answers: list | None) -> float | None:
+def checker_agreement(pairs: list[dict], choices: dict[str, str], answers: list | None,
+                      checker: str = "exact") -> float | None:
     """Share of the labelled, checker-decidable pairs (one answer right, one wrong) whose label prefers the right
     one: 1 - label noise for the simulated annotator, the annotators' accuracy for imported labels."""
     if answers is None:
         return None
-    a_ok, b_ok = correctness(pairs, answers)
+    a_ok, b_ok = correctness(pairs, answers, checker)
     agree = [choices[p["pair_id"]] == ("a" if a else "b") for p, a, b in zip(pairs, a_ok, b_ok, strict=True)
              if a != b and choices.get(p["pair_id"]) in ("a", "b")]
     return sum(agree) / len(agree) if agree else None

@@ -5,6 +5,11 @@ canonical schema -> split into phases (``data_split``) -> project each phase
 to its columns -> length-filter (left-truncate or drop over-long prompts) ->
 de-duplicate -> hold out eval rows -> write atomically.  Every dropped row is
 counted by reason in ``manifest.json``; an empty phase is an error.
+
+With ``model.name_or_path`` the base model is imported into ``models/base`` as a plain HF folder
+(``models.importing``: GGUF, package, local folder or Hub id), beside its tokenizer. ``data.source:
+arithmetic`` generates its own held-out rows (new operand pairs and phrasings) instead of a random split, and
+its preference pairs reject the imported base model's own wrong answers (``data.base_negatives``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from rlhf_core.data.tokenizer import (
 )
 from rlhf_core.integrity import seal_model_dir
 from rlhf_core.meta import build_meta, file_sha256, write_meta
-from rlhf_core.rewards import demo_task
+from rlhf_core.models.importing import import_base_model
+from rlhf_core.rewards import arithmetic, demo_task
 
 PHASE_COLUMNS = {
     "sft": ("id", "prompt", "response", "answer", "source"),
@@ -140,10 +146,21 @@ def _write_parquet(rows: list[dict], columns: tuple[str, ...], path: Path) -> No
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 
-def load_raw(params: Params, dropped: Counter) -> dict[str, list[tuple[str, dict, str, str]]]:
-    """Raw rows keyed by ``mixed`` or by phase: (origin, record, format, source name)."""
+def load_raw(params: Params, dropped: Counter, tok=None) -> dict[str, list[tuple[str, dict, str, str]]]:
+    """Raw rows keyed by ``mixed`` (and ``held_out`` for the arithmetic task) or by phase: (origin, record, format,
+    source name). The arithmetic task renders its prompts with ``tok``'s chat template."""
     data = params.data
     drop = data.on_malformed == "drop"
+    if data.source == "arithmetic":
+        a = data.arithmetic
+        render = chat_renderer(tok)
+        if render is None:
+            raise DataError("data.source: arithmetic renders questions with the model's chat template, but the "
+                            f"tokenizer of {source_tokenizer_path(params.model)} has none")
+        train, held = arithmetic.generate(a.n_train, a.n_held_out, a.max_operand, list(a.ops), params.project.seed,
+                                          a.held_out_pair_share, a.held_out_phrasings, render)
+        return {"mixed": [(r["id"], r, "prompt_response", "arithmetic") for r in train],
+                "held_out": [(r["id"], r, "prompt_response", "arithmetic") for r in held]}
     if data.source == "demo":
         d = data.demo
         rows = demo_task.generate(d.n_rows, d.max_operand, list(d.ops), d.wrong_share, params.project.seed,
@@ -163,13 +180,39 @@ def load_raw(params: Params, dropped: Counter) -> dict[str, list[tuple[str, dict
     return out
 
 
-def build_tokenizer(params: Params, raw: dict[str, list]) -> Any:
+def source_tokenizer(params: Params) -> Any:
+    """The model's own tokenizer (``model.tokenizer`` or ``model.name_or_path``), or None for the demo's."""
     src = source_tokenizer_path(params.model)
-    if src is not None:
-        return load_tokenizer(src, params.model.trust_remote_code)
+    if src is None:
+        if params.data.source == "arithmetic":
+            raise DataError("data.source: arithmetic needs a pretrained chat model (model.name_or_path) and its "
+                            "tokenizer")
+        return None
+    return load_tokenizer(src, params.model.trust_remote_code)
+
+
+def build_tokenizer(params: Params, raw: dict[str, list]) -> Any:
     corpus = [t for rows in raw.values() for t in _texts([(o, r) for o, r, _, _ in rows])]
     corpus += ["Human: Assistant:"]
     return train_demo_tokenizer(corpus, params.model.tiny.vocab_size)
+
+
+def _base_negatives(params: Params, base_dir: Path, tok, train: list[dict], evals: list[dict]) -> dict:
+    """The arithmetic pairs' rejected answers from the imported base model's own samples
+    (``data.base_negatives`` training pairs, and the same share of the held-out pairs); returns the counts."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.data.base_negatives import replace_with_base_errors
+
+    a = params.data.arithmetic
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), use_safetensors=True,
+                                                 attn_implementation=params.compute.attn_implementation)
+    n_eval = round(len(evals) * min(1.0, a.base_negatives / max(1, len(train))))
+    out = {}
+    for name, rows in (("pairs", train[:a.base_negatives]), ("eval_pairs", evals[:n_eval])):
+        out[name] = dict(replace_with_base_errors(model, tok, rows, a.base_max_new_tokens, params.project.seed,
+                                                  arithmetic.final_number, arithmetic.render_answer))
+    return out
 
 
 def prepare(params: Params, root: str | Path = ".") -> dict:
@@ -177,8 +220,9 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
     root = Path(root)
     dropped: Counter = Counter()
     modified: Counter = Counter()
-    raw = load_raw(params, dropped)
-    tok = build_tokenizer(params, raw)
+    tok = source_tokenizer(params)
+    raw = load_raw(params, dropped, tok)
+    tok = tok if tok is not None else build_tokenizer(params, raw)
     render = chat_renderer(tok)
     cols: ColumnMap = params.data.columns
     seed = params.project.seed
@@ -190,39 +234,40 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
             out += normalize_rows(subset, fmt, cols, render, dropped, src)
         return out
 
-    if "mixed" in raw:
-        rows = canon(raw["mixed"])
+    def by_shares(rows):
         parts = split_by_shares(len(rows), params.data.data_split, seed)
-        by_phase = {ph: [rows[i] for i in idx] for ph, idx in zip(paths.PHASES, parts, strict=True)}
-    else:
-        by_phase = {ph: canon(raw[ph]) for ph in paths.PHASES}
+        return {ph: [rows[i] for i in idx] for ph, idx in zip(paths.PHASES, parts, strict=True)}
 
-    outputs, counts, token_stats = {}, {}, {}
-    for k, phase in enumerate(paths.PHASES):
-        rows = _project(by_phase[phase], phase, dropped)
+    def filtered(rows, phase, need):
+        rows = _project(rows, phase, dropped)
         rows, lengths = _length_filter(rows, phase, tok, params, dropped, modified)
         if params.data.dedupe:
             rows = _dedupe(rows, phase, dropped)
-        if len(rows) < 2:
+        if len(rows) < need:
             reasons = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
-            raise DataError(f"phase {phase!r} has {len(rows)} rows after filtering (need >= 2 for train + eval); "
-                            f"dropped: {reasons}")
-        train_idx, eval_idx = train_eval_split(len(rows), params.data.eval_fraction, seed + 1 + k)
-        outputs[phase] = [rows[i] for i in train_idx]
-        outputs[f"eval_{phase}"] = [rows[i] for i in eval_idx]
+            raise DataError(f"phase {phase!r} has {len(rows)} rows after filtering (need >= {need} for train + "
+                            f"eval); dropped: {reasons}")
+        return rows, lengths
+
+    by_phase = by_shares(canon(raw["mixed"])) if "mixed" in raw else {ph: canon(raw[ph]) for ph in paths.PHASES}
+    held_out = by_shares(canon(raw["held_out"])) if "held_out" in raw else None
+
+    outputs, counts, token_stats = {}, {}, {}
+    for k, phase in enumerate(paths.PHASES):
+        rows, lengths = filtered(by_phase[phase], phase, 2 if held_out is None else 1)
+        if held_out is None:
+            train_idx, eval_idx = train_eval_split(len(rows), params.data.eval_fraction, seed + 1 + k)
+            outputs[phase] = [rows[i] for i in train_idx]
+            outputs[f"eval_{phase}"] = [rows[i] for i in eval_idx]
+        else:  # the task's own held-out questions
+            outputs[phase] = rows
+            outputs[f"eval_{phase}"] = filtered(held_out[phase], phase, 1)[0]
         token_stats[phase] = {f: _stats(v) for f, v in lengths.items()}
 
     prepared, base = root / paths.PREPARED, root / paths.BASE_MODEL
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".prepare-"))
     try:
         (tmp / "prepared").mkdir()
-        hashes = {}
-        for name, rows in outputs.items():
-            phase = name.removeprefix("eval_")
-            fname = f"{name}.parquet"
-            _write_parquet(rows, PHASE_COLUMNS[phase], tmp / "prepared" / fname)
-            hashes[fname] = file_sha256(tmp / "prepared" / fname)
-            counts[name] = len(rows)
         tok.save_pretrained(tmp / "base")
         base_meta: dict[str, Any] = {"tokenizer_source": source_tokenizer_path(params.model) or "trained:demo"}
         if params.model.name_or_path is None:
@@ -230,7 +275,18 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
             config.save_pretrained(tmp / "base")
             base_meta["model"] = "tiny-llama (initialised by later stages from config.json)"
         else:
-            base_meta["model"] = params.model.name_or_path
+            base_meta |= import_base_model(params.model.name_or_path, tmp / "base", tok,
+                                           params.model.trust_remote_code)
+        negatives = None
+        if params.data.source == "arithmetic" and params.data.arithmetic.base_negatives:
+            negatives = _base_negatives(params, tmp / "base", tok, outputs["pairs"], outputs["eval_pairs"])
+        hashes = {}
+        for name, rows in outputs.items():
+            phase = name.removeprefix("eval_")
+            fname = f"{name}.parquet"
+            _write_parquet(rows, PHASE_COLUMNS[phase], tmp / "prepared" / fname)
+            hashes[fname] = file_sha256(tmp / "prepared" / fname)
+            counts[name] = len(rows)
         params_hash = params.section_hash("project", "data", "model")
         manifest = {
             "source": params.data.source if params.data.source == "demo" else
@@ -242,6 +298,7 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
             "modified": dict(sorted(modified.items())),
             "hashes": hashes,
             "token_stats": token_stats,
+            **({"base_negatives": negatives} if negatives is not None else {}),
             "tokenizer": {"vocab_size": len(tok), "pad_token": tok.pad_token, "eos_token": tok.eos_token,
                           "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id},
         }

@@ -206,8 +206,7 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     data = encode_pairs(tokenizer, train, max_length, str(train_file))
     eval_data = encode_pairs(tokenizer, evals, max_length, str(eval_file))
 
-    init_kind, init_ref = cfg.init_from, paths.SFT_MODEL if cfg.init_from == "sft" else (
-        params.model.name_or_path or paths.BASE_MODEL)
+    init_kind, init_ref = cfg.init_from, paths.SFT_MODEL if cfg.init_from == "sft" else paths.BASE_MODEL
     if n_round and params.feedback.rm_init == "previous":
         from rlhf_core.stages.feedback import start_dir
 

@@ -123,7 +123,7 @@ def train_sft(params: Params, root: str | Path = ".", log: LogFn | None = None, 
                                 tokenizer, max_length)
 
     files = [paths.prepared_file("sft"), paths.prepared_file("sft", True), paths.prepared_file("prompts", True)]
-    inputs = input_hashes(root, files, {"init_model": source if params.model.name_or_path else paths.BASE_MODEL})
+    inputs = input_hashes(root, files, {"init_model": paths.BASE_MODEL})
     ckpt = checkpoints_for(root, params, STAGE, cfg, inputs)
     state, resumed_from = resume_or_start(ckpt, engine, cfg.resume,
                                           lambda: _evaluate(engine, params, tokenizer, eval_data, prompts),

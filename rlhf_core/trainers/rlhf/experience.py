@@ -210,6 +210,7 @@ class MakerConfig:
     shared_prefix: bool = False  # log-prob passes compute each group's prompt once
     pack_groups: bool = False  # ... with the group's responses packed after it (``group_packing``)
     drop_uniform_groups: bool = False  # drop groups whose scores are all equal (zero advantage on every row)
+    checker: str = "exact"  # eval.checker: judges the samples (logged, never the reward)
 
 
 def _batched(fn, n: int, batch: int):
@@ -258,9 +259,10 @@ class ExperienceMaker:
         baselined = cfg.baseline(scores)
         judged = None
         if "answer" in rep_cols:
-            from rlhf_core.rewards import check_answer
+            from rlhf_core.rewards import get_checker
 
-            judged = [float(check_answer(t, a)) for t, a in zip(roll.texts, rep_cols["answer"], strict=True)]
+            check = get_checker(self.cfg.checker)
+            judged = [float(check(t, a)) for t, a in zip(roll.texts, rep_cols["answer"], strict=True)]
         correct = sum(judged) if judged is not None else 0.0
         self.samples = {"prompt": rep_prompts, "response": list(roll.texts), "proxy": scores.tolist(),
                         **({"judge": judged} if judged is not None else {})}

@@ -150,7 +150,7 @@ class RLHFTrainer:
                         need_ref=alg.needs_reference, need_values=alg.critic, baseline=alg.baseline,
                         no_eos_penalty=cfg.no_eos_penalty, shared_prefix=self.shared_prefix,
                         pack_groups=cfg.pack_groups,
-                        drop_uniform_groups=alg.drop_uniform_groups),
+                        drop_uniform_groups=alg.drop_uniform_groups, checker=params.eval.checker),
             device=self.device)
         if alg.adaptive_kl:
             self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)

@@ -1,0 +1,133 @@
+"""The real-text arithmetic task: the checker on hand-written answers, the held-out split by operand pair and by
+phrasing, the generator's rows, and prepare's own held-out files (with a chat template, no model weights)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pandas as pd
+import pytest
+
+from rlhf_core.rewards import get_checker, get_reward_fn
+from rlhf_core.rewards.arithmetic import (
+    PHRASINGS,
+    check_final_number,
+    final_number,
+    generate,
+    is_held_out,
+    near_miss,
+)
+
+
+@pytest.mark.parametrize("completion, answer", [("78", 78), ("78", "78"), ("The answer is 78.", "78"),
+                                                 ("23 + 45 = 78", "78"), ("1,234", "1234"), ("-3", "-3"),
+                                                 ("12 + 3 is 15\n", "15")])
+def test_final_number_accepts(completion, answer):
+    assert check_final_number(completion, answer)
+
+
+@pytest.mark.parametrize("completion, answer", [("79", "78"), ("78 apples, no 79", "78"), ("seventy-eight", "78"),
+                                                 ("", "78"), ("78", None), ("3", "-3"), ("7.8", "78")])
+def test_final_number_rejects(completion, answer):
+    assert not check_final_number(completion, answer)
+
+
+def test_final_number_parse():
+    assert final_number("23 + 45 = 68.") == 68 and final_number("none") is None and final_number("a -5") == -5
+
+
+def test_checkers_by_name():
+    assert get_checker("exact")(" 12", "12") and not get_checker("exact")("12 + 0 = 12", "12")
+    assert get_checker("final_number")("12 + 0 = 12", "12")
+    with pytest.raises(KeyError, match="eval.checker"):
+        get_checker("fuzzy")
+    assert get_reward_fn("final_number")([""] * 2, ["so 5", "6"], answer=["5", "5"]) == [1.0, 0.0]
+
+
+def test_held_out_by_pair_and_by_phrasing():
+    last = len(PHRASINGS["+"]) - 1
+    assert is_held_out(3, "+", 4, last, seed=1, pair_share=0.0, held_out_phrasings=1)  # the held-out phrasing
+    assert not is_held_out(3, "+", 4, 0, seed=1, pair_share=0.0, held_out_phrasings=1)
+    assert is_held_out(3, "+", 4, 0, seed=1, pair_share=0.999999, held_out_phrasings=0)  # every pair held out
+    pairs = [(a, b) for a in range(50) for b in range(50)]
+    share = sum(is_held_out(a, "+", b, 0, 7, 0.2, 0) for a, b in pairs) / len(pairs)
+    assert 0.17 < share < 0.23  # a fixed hash draws about the share asked
+
+
+def render(messages):
+    return f"<user>{messages[0]['content']}</user><assistant>"
+
+
+def question(prompt: str) -> str:
+    return prompt.removeprefix("<user>").removesuffix("</user><assistant>")
+
+
+def test_generate_rows_are_consistent_and_split_apart():
+    train, held = generate(600, 150, 99, ["+", "-"], seed=5, pair_share=0.15, held_out_phrasings=2, render=render)
+    assert (train, held) == generate(600, 150, 99, ["+", "-"], seed=5, pair_share=0.15, held_out_phrasings=2,
+                                     render=render)
+    assert len(train) == 600 and len(held) == 150
+    held_phrasings = {p for op in "+-" for p in PHRASINGS[op][-2:]}
+
+    def parts(row):  # (a, op, b, phrasing) recovered from the question text
+        q = question(row["prompt"])
+        for op in "+-":
+            for k, tpl in enumerate(PHRASINGS[op]):
+                pattern = re.escape(tpl).replace(r"\{a\}", r"(?P<a>\d+)").replace(r"\{b\}", r"(?P<b>\d+)")
+                m = re.fullmatch(pattern, q)
+                if m:
+                    return int(m["a"]), op, int(m["b"]), k
+        raise AssertionError(q)
+
+    train_pairs = set()
+    for row in train:
+        a, op, b, k = parts(row)
+        assert PHRASINGS[op][k] not in held_phrasings
+        assert int(row["answer"]) == (a + b if op == "+" else a - b) >= 0
+        assert row["response"] == row["chosen"] == row["answer"]  # one answer style: the bare result
+        assert not check_final_number(row["rejected"], row["answer"])
+        train_pairs.add((a, op, b))
+    for row in held:
+        a, op, b, k = parts(row)
+        assert PHRASINGS[op][k] in held_phrasings or (a, op, b) not in train_pairs
+
+
+def test_near_miss_is_wrong_and_not_negative():
+    rng = random.Random(0)
+    for correct in list(range(0, 200)) * 3:
+        wrong = near_miss(rng, correct)
+        assert wrong != correct and wrong >= 0
+
+
+def test_generate_refuses_holding_out_every_phrasing():
+    with pytest.raises(ValueError, match="held_out_phrasings"):
+        generate(10, 5, 9, ["+"], 1, 0.1, len(PHRASINGS["+"]), render)
+
+
+def test_prepare_writes_the_tasks_held_out_files(workspace, tiny_chat_tokenizer_dir):
+    """prepare with `data.source: arithmetic` and a local tokenizer with a chat template (the tiny model is built
+    from config, so nothing is imported): eval files hold exactly the generator's held-out questions."""
+    from rlhf_core.stages.prepare import prepare
+    from tests.conftest import make_params
+
+    p = make_params("data.source=arithmetic", "data.arithmetic.n_train=300", "data.arithmetic.n_held_out=60",
+                    "data.arithmetic.base_negatives=0", f"model.tokenizer={tiny_chat_tokenizer_dir}",
+                    "data.data_split=[1,1,1]", "data.max_prompt_len=64", "data.max_response_len=6")
+    manifest = prepare(p)
+    train = pd.concat([pd.read_parquet(f"data/prepared/{f}.parquet") for f in ("sft", "pairs", "prompts")])
+    held = pd.concat([pd.read_parquet(f"data/prepared/eval_{f}.parquet") for f in ("sft", "pairs", "prompts")])
+    assert set(train["prompt"]).isdisjoint(held["prompt"])
+    assert all(i.startswith("arith-train") for i in train["id"]) and all(i.startswith("arith-heldout")
+                                                                         for i in held["id"])
+    assert sum(v for k, v in manifest["counts"].items() if k.startswith("eval_")) == 60
+    assert manifest["source"] == ["arithmetic"]
+
+
+def test_arithmetic_without_a_model_is_an_error(workspace):
+    from rlhf_core.data.readers import DataError
+    from rlhf_core.stages.prepare import prepare
+    from tests.conftest import make_params
+
+    with pytest.raises(DataError, match="model.name_or_path"):
+        prepare(make_params("data.source=arithmetic"))
