@@ -97,6 +97,28 @@ def test_rm_from_base_with_margin_and_resume(ws):
     assert again["resumed_from_step"] == 3 and again["accuracy"] == pytest.approx(first["accuracy"])
 
 
+def test_rm_under_zero3_saves_the_gathered_classifier_that_hf_scores_as_we_do(ws):
+    """ZeRO-3 partitions the RM; the saved sequence classifier holds the full (gathered) backbone and head, and
+    ``AutoModelForSequenceClassification`` scores right-padded ``text + EOS`` rows as our scorer does."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.models import RewardScorer
+    from rlhf_core.trainers.rm import train_rm
+
+    m = train_rm(tiny_params("compute.zero_stage=3", "rm.max_steps=2"), ws)
+    assert m["zero_stage"] == 3
+    out = ws / "models" / "rm"
+    scorer = RewardScorer.from_pretrained(out, device="cpu")
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert hf.model.embed_tokens.weight.shape[0] == len(scorer.tokenizer) and hf.score.weight.shape[0] == 1
+    texts = ["Human: What is 1 + 2?\n\nAssistant: 3", "Human: What is 7 + 8?\n\nAssistant: 1 5", "Human: hi"]
+    tok = scorer.tokenizer
+    batch = tok([t + tok.eos_token for t in texts], padding=True, padding_side="right", return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf(**batch).logits[:, 0]
+    torch.testing.assert_close(scorer.score(texts), theirs, atol=1e-5, rtol=1e-5)
+
+
 def test_rm_without_sft_model_is_a_clear_error(ws):
     from rlhf_core.engine import TrainingInputError
     from rlhf_core.trainers.rm import train_rm
