@@ -5,6 +5,7 @@ previous value-head layout still read; directories that are neither named. Tiny 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -230,6 +231,28 @@ def test_a_sequence_classifier_initialises_the_critic_and_a_round_continues_from
     torch.testing.assert_close(critic.value_head.weight, hf.score.weight)
     again = build_value_model(make_params(), tmp_path, "previous", "rm")
     torch.testing.assert_close(again.value_head.weight, hf.score.weight)
+
+
+def test_a_hub_id_is_read_as_the_reward(tmp_path):
+    """A Hub id (``org/name``) loads as the reward: here from a Hub cache laid out offline (refs/main -> a snapshot
+    holding a transformers-made classifier and its tokenizer), in a process of its own pointed at that cache."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    tok = _tokenizer()
+    snapshot = tmp_path / "hub" / "models--org--tiny-rm" / "snapshots" / "0123abcd"
+    _hf_reward_model(tok, snapshot)
+    (tmp_path / "hub" / "models--org--tiny-rm" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny-rm" / "refs" / "main").write_text("0123abcd")
+    code = ("from rlhf_core.models import RewardScorer; "
+            f"print(RewardScorer.from_pretrained('org/tiny-rm', device='cpu').score({TEXTS!r}).tolist())")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+    torch.testing.assert_close(got, _hf_scores(snapshot, tok, TEXTS), atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- the previous layout
