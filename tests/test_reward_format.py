@@ -327,6 +327,16 @@ def test_directories_that_are_no_reward_model_are_named(tmp_path):
     with pytest.raises(ValueError, match=f"{no_tok}: no tokenizer files"):
         RewardScorer.from_pretrained(no_tok, device="cpu")
 
+    headless = tmp_path / "headless"  # a classifier's config over weights without the head: not a trained RM
+    _hf_reward_model(tok, headless)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(headless / "model.safetensors")
+    del weights["score.weight"]
+    save_file(weights, str(headless / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RewardModelFormatError, match=f"{headless}: the checkpoint lacks weights of .*score.weight"):
+        RewardScorer.from_pretrained(headless, device="cpu")
+
     two = tmp_path / "two-labels"
     _hf_reward_model(tok, two, num_labels=2)
     with pytest.raises(RewardModelFormatError, match=f"{two}: LlamaForSequenceClassification has num_labels=2"):

@@ -14,7 +14,8 @@ right-padded row as we do: the head's value at the last non-pad token.
 Read by ``load_value_model`` (``ValueHeadModel.from_pretrained``), by what the directory holds (``checkpoint_format``):
 
 - ``seq_cls``: ``config.json`` names a ``*ForSequenceClassification`` architecture (ours, a Hub or TRL reward
-  model; a Hub id works too): its backbone and ``score`` head, which must have one label. An encoder classifier
+  model; a Hub id works too): its backbone and ``score`` head, which must have one label and every weight in the
+  checkpoint (transformers would start a missing one at random). An encoder classifier
   (BERT's pooler + ``classifier``) is refused: its score is not a value per token.
 - ``value_head``: the layout before this one, ``value_head.safetensors`` (``{"weight": [1, hidden]}``) +
   ``value_head.json`` beside an ``AutoModel`` backbone: old workspaces and registered versions still load.
@@ -172,7 +173,12 @@ def load_value_model(path: str | Path, *, trust_remote_code: bool = False, attn_
     kw = {"use_safetensors": True, "trust_remote_code": trust_remote_code,
           "attn_implementation": attn_implementation, **({"dtype": dtype} if dtype is not None else {})}
     if kind == "seq_cls":
-        model = _from_seq_cls(AutoModelForSequenceClassification.from_pretrained(str(path), **kw), path)
+        seq_cls, info = AutoModelForSequenceClassification.from_pretrained(str(path), output_loading_info=True, **kw)
+        if info.get("missing_keys"):  # transformers would start them at random: a reward nobody trained
+            missing = sorted(info["missing_keys"])
+            raise RewardModelFormatError(f"{path}: the checkpoint lacks weights of {type(seq_cls).__name__}: "
+                                         f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}")
+        model = _from_seq_cls(seq_cls, path)
     else:
         model = ValueHeadModel(AutoModel.from_pretrained(str(path), **kw))
         if kind == "value_head":
