@@ -22,7 +22,8 @@ CARD_FILE = "README.md"
 ROLES: dict[str, tuple[str, str]] = {  # role -> (pipeline_tag, one-line description)
     "sft": ("text-generation", "Causal LM after supervised fine-tuning on prompt/response pairs."),
     "proxy": ("text-classification", "Reward model: a scalar score per (prompt, response), trained on pairwise "
-                                     "preferences (Bradley-Terry); the value head reads the last non-pad token."),
+                                     "preferences (Bradley-Terry); a transformers sequence classifier (one "
+                                     "label) whose `score` head reads the last non-pad token."),
     "judge": ("text-classification", "Judge reward model, trained on the held-out pairs the proxy RM never saw; "
                                      "used to evaluate, never to train."),
     "actor": ("text-generation", "Policy (actor) after RLHF against the configured reward."),

@@ -1,4 +1,5 @@
-"""MLflow pyfunc wrapper for value-head models (the reward model and the critic).
+"""MLflow pyfunc wrapper for the reward model and the critic (``*ForSequenceClassification`` checkpoints, or the
+previous value-head layout: ``RewardScorer.from_pretrained`` reads both).
 
 ``predict`` takes a DataFrame with a ``text`` column (or ``prompt`` and
 ``response`` columns, tokenised exactly as in training), or a list of strings,

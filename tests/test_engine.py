@@ -223,9 +223,10 @@ def test_value_model_save_load_and_scorer(tmp_path):
 
     tok = train_demo_tokenizer(["Human: What is 1 + 2?\n\nAssistant: 3"] * 20, 64)
     model = ValueHeadModel(tiny_llama(causal=False, vocab=len(tok))).eval()
-    model.save_pretrained(tmp_path / "rm")
+    model.save_pretrained(tmp_path / "rm", tok.pad_token_id)
     tok.save_pretrained(tmp_path / "rm")
-    assert (tmp_path / "rm" / "value_head.safetensors").exists() and (tmp_path / "rm" / "model.safetensors").exists()
+    saved = {p.name for p in (tmp_path / "rm").iterdir()}
+    assert "model.safetensors" in saved and "value_head.safetensors" not in saved
     loaded = ValueHeadModel.from_pretrained(tmp_path / "rm", require_head=True)
     torch.testing.assert_close(loaded.value_head.weight, model.value_head.weight)
     scorer = RewardScorer.from_pretrained(tmp_path / "rm", device="cpu")

@@ -160,7 +160,7 @@ def test_mlflow_outage_mid_stage_keeps_the_model_and_register_retries_later(tmp_
     metrics = json.loads((project / "metrics" / "rm.json").read_text())
     assert metrics["steps"] == 600, "training stopped early"
     assert (project / "models" / "rm" / "config.json").is_file() and (project / "models" / "rm" /
-                                                                     "value_head.safetensors").is_file()
+                                                                     "model.safetensors").is_file()
 
     cmd, kw = _cli(project, uri, "register", "--kind", "reward", capture_output=True)
     down = subprocess.run(cmd, **kw, timeout=300)

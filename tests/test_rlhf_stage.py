@@ -185,7 +185,8 @@ def test_ppo_stage_writes_models_metrics_and_plots(ws):
     assert json.loads((ws / "metrics/rlhf.json").read_text())["steps"] == 2
     actor, critic = ws / "models/actor", ws / "models/critic"
     assert (actor / "model.safetensors").exists() and (actor / "tokenizer.json").exists()
-    assert (critic / "value_head.safetensors").exists() and (critic / "model.safetensors").exists()
+    assert (critic / "model.safetensors").exists() and not (critic / "value_head.safetensors").exists()
+    assert json.loads((critic / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
     assert (ws / "models/actor_ema/model.safetensors").exists()
     meta = read_meta(actor)
     assert meta["stage"] == "rlhf" and meta["inputs"] == {"sft": dir_sha256(ws / "models/sft"),
@@ -419,7 +420,7 @@ def test_ppo_step_with_two_processes_under_torchrun(ws):
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = json.loads((ws / "metrics/rlhf.json").read_text())
     assert metrics["world_size"] == 2 and metrics["steps"] == 1 and metrics["rows_total"] == 4
-    assert (ws / "models/actor/model.safetensors").exists() and (ws / "models/critic/value_head.safetensors").exists()
+    assert (ws / "models/actor/model.safetensors").exists() and (ws / "models/critic/model.safetensors").exists()
 
 
 def test_hacking_flag_is_proxy_up_and_judge_down():

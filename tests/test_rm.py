@@ -42,6 +42,7 @@ def ws(with_sft, tmp_path):
 
 @pytest.mark.slow
 def test_rm_reaches_high_heldout_accuracy_and_scores_texts(ws):
+    from rlhf_core.data.tokenizer import load_tokenizer
     from rlhf_core.models import RewardScorer, ValueHeadModel
     from rlhf_core.trainers.rm import train_rm
 
@@ -49,8 +50,11 @@ def test_rm_reaches_high_heldout_accuracy_and_scores_texts(ws):
     assert m["accuracy"] >= 0.85 and m["accuracy_before"] < 0.7, m
     assert m["margin_mean"] > 0 and m["chosen_mean"] > m["rejected_mean"]
     out = ws / "models" / "rm"
-    assert {"model.safetensors", "value_head.safetensors", "value_head.json", "tokenizer.json",
-            "rlhf_meta.json", "README.md"} <= {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "rlhf_meta.json", "README.md"} <= {
+        p.name for p in out.iterdir()} and not (out / "value_head.safetensors").exists()
+    config = json.loads((out / "config.json").read_text())  # a transformers sequence classifier, one label
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+    assert config["pad_token_id"] == load_tokenizer(out).pad_token_id != load_tokenizer(out).eos_token_id
     card = (out / "README.md").read_text()
     assert "pipeline_tag: text-classification" in card and "defined only up to a per-prompt constant" in card
     assert f"| accuracy | {m['accuracy_before']:.4g} | {m['accuracy']:.4g} |" in card
@@ -93,6 +97,28 @@ def test_rm_from_base_with_margin_and_resume(ws):
     assert again["resumed_from_step"] == 3 and again["accuracy"] == pytest.approx(first["accuracy"])
 
 
+def test_rm_under_zero3_saves_the_gathered_classifier_that_hf_scores_as_we_do(ws):
+    """ZeRO-3 partitions the RM; the saved sequence classifier holds the full (gathered) backbone and head, and
+    ``AutoModelForSequenceClassification`` scores right-padded ``text + EOS`` rows as our scorer does."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.models import RewardScorer
+    from rlhf_core.trainers.rm import train_rm
+
+    m = train_rm(tiny_params("compute.zero_stage=3", "rm.max_steps=2"), ws)
+    assert m["zero_stage"] == 3
+    out = ws / "models" / "rm"
+    scorer = RewardScorer.from_pretrained(out, device="cpu")
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert hf.model.embed_tokens.weight.shape[0] == len(scorer.tokenizer) and hf.score.weight.shape[0] == 1
+    texts = ["Human: What is 1 + 2?\n\nAssistant: 3", "Human: What is 7 + 8?\n\nAssistant: 1 5", "Human: hi"]
+    tok = scorer.tokenizer
+    batch = tok([t + tok.eos_token for t in texts], padding=True, padding_side="right", return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf(**batch).logits[:, 0]
+    torch.testing.assert_close(scorer.score(texts), theirs, atol=1e-5, rtol=1e-5)
+
+
 def test_rm_without_sft_model_is_a_clear_error(ws):
     from rlhf_core.engine import TrainingInputError
     from rlhf_core.trainers.rm import train_rm
@@ -132,7 +158,7 @@ def test_judge_rm_trains_on_the_pairs_the_proxy_never_saw(ws):
     assert judge["accuracy"] > judge["accuracy_before"], judge
     meta = json.loads((ws / "models/judge/rlhf_meta.json").read_text())
     assert meta["role"] == "judge" and meta["trained_on"] == "data/prepared/eval_pairs.parquet"
-    assert (ws / "models/judge/value_head.safetensors").exists() and (ws / "plots/rm_judge_accuracy.csv").exists()
+    assert (ws / "models/judge/model.safetensors").exists() and (ws / "plots/rm_judge_accuracy.csv").exists()
     assert any("judge.accuracy" in m for m in logged) and any("accuracy" in m and "judge.accuracy" not in m
                                                                for m in logged)
 
@@ -164,8 +190,8 @@ def test_rm_ensemble_trains_seeded_members_and_scores_their_standardised_mean(ws
     from safetensors.torch import load_file
 
     # the members differ: another seed gave another head initialisation and batch order
-    assert not torch.equal(load_file(rm_dir / "value_head.safetensors")["weight"],
-                           load_file(rm_dir / "members/1/value_head.safetensors")["weight"])
+    assert not torch.equal(load_file(rm_dir / "model.safetensors")["score.weight"],
+                           load_file(rm_dir / "members/1/model.safetensors")["score.weight"])
 
     prompts, responses = ["Human: What is 1 + 2?\n\nAssistant:"] * 3, [" 3", " 4", " 13"]
     s0 = RewardScorer.from_pretrained(rm_dir, device="cpu").score_responses(prompts, responses)

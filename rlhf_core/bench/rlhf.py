@@ -65,7 +65,7 @@ def build_workspace(params, root: Path, with_rm: bool) -> None:
     tok.save_pretrained(root / paths.SFT_MODEL)
     if with_rm:
         torch.manual_seed(params.project.seed + 1)
-        ValueHeadModel(AutoModel.from_config(config)).save_pretrained(root / paths.RM_MODEL)
+        ValueHeadModel(AutoModel.from_config(config)).save_pretrained(root / paths.RM_MODEL, tok.pad_token_id)
         tok.save_pretrained(root / paths.RM_MODEL)
 
 

@@ -70,18 +70,28 @@ def same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and a.eos_token == b.eos_token
 
 
+# A tokenizer saved with ``save_pretrained`` writes at least one of these (fast, slow SentencePiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """Load a tokenizer for training: left padding, and a pad token that is not EOS if one can be had (a
     missing pad, or one equal to EOS as in SmolLM2's and TinyLlama's, becomes the UNK token when that is
     distinct). ``path``: a folder, or anything ``model.name_or_path`` takes (``models.importing.locate``).
 
-    Raises ``ValueError`` when the tokenizer has no pad token at all (name the path).
+    Raises ``ValueError`` naming the path when a local directory holds no tokenizer files (a model saved without
+    its tokenizer) or the tokenizer has no pad token at all.
     """
     from transformers import AutoTokenizer
 
     from rlhf_core.models.importing import load_source_tokenizer, locate
 
     if Path(path).is_dir():
+        if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); a model here is "
+                             "read from text with its own tokenizer: save it beside the weights "
+                             "(tokenizer.save_pretrained)")
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     else:
         tok = load_source_tokenizer(locate(str(path)), trust_remote_code)

@@ -4,9 +4,10 @@
   ships one, a local HF folder, a Hub id), imported there by prepare (``models.importing``), or, when null,
   a fresh tiny Llama from ``models/base/config.json`` initialised with ``project.seed``.
 - The tokenizer always comes from ``models/base`` (written by prepare).
-- Saved models are plain HF directories (``save_pretrained``, safetensors) + tokenizer + ``rlhf_meta.json``.
+- Saved models are plain HF directories (``save_pretrained``, safetensors) + tokenizer + ``rlhf_meta.json``;
+  a reward model / critic is a ``*ForSequenceClassification`` checkpoint (``rlhf_core.models.reward_format``).
   LoRA adapters are merged on save by default; unmerged, the adapter goes to ``<dir>/adapter/`` next
-  to the base weights and ``load_causal_lm`` re-applies it.
+  to the base weights and ``load_causal_lm`` (``ValueHeadModel.from_pretrained``) re-applies it.
 """
 
 from __future__ import annotations
@@ -222,10 +223,13 @@ def save_causal_lm(model, directory: str | Path, merge_lora: bool = True) -> Non
         gen.save_pretrained(directory)
 
 
-def save_value_model(model: ValueHeadModel, directory: str | Path, merge_lora: bool = True) -> None:
+def save_value_model(model: ValueHeadModel, directory: str | Path, merge_lora: bool = True,
+                     pad_token_id: int | None = None) -> None:
+    """A reward model / critic as a ``*ForSequenceClassification`` checkpoint (``reward_format.save_seq_cls``),
+    LoRA merged (default) or its adapter saved beside it; ``pad_token_id``: the tokenizer's, for HF's pooling."""
     directory = Path(directory)
     backbone = _export_backbone(model.backbone, directory, merge_lora)
-    ValueHeadModel(backbone, model.value_head).save_pretrained(directory)
+    ValueHeadModel(backbone, model.value_head).save_pretrained(directory, pad_token_id)
 
 
 def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype | None = None,

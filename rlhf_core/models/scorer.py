@@ -1,4 +1,5 @@
-"""``RewardScorer``: score texts (or prompt/response pairs, or token tensors) with a saved reward model.
+"""``RewardScorer``: score texts (or prompt/response pairs, or token tensors) with a saved reward model (ours, or
+any decoder ``*ForSequenceClassification`` reward model with its tokenizer: ``rlhf_core.models.reward_format``).
 
 Example::
 
@@ -40,12 +41,15 @@ class RewardScorer:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device | None = None, batch_size: int = 32,
                         trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> RewardScorer:
-        """Load ``models/rm`` (backbone + value head + tokenizer saved beside it)."""
+        """Load a reward model and the tokenizer saved beside it: ``models/rm``, or any ``*ForSequenceClassification``
+        reward model with its own tokenizer (a directory or a Hub id), or the previous value-head layout
+        (``reward_format``). Texts are tokenised with the RM's own tokenizer, whatever the actor's; a directory
+        without tokenizer files, or that is no reward model, is an error naming it."""
         from rlhf_core.data.tokenizer import load_tokenizer
 
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         model = ValueHeadModel.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype,
                                                require_head=True)
-        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         return cls(model, tokenizer, batch_size=batch_size, device=device)

@@ -4,17 +4,15 @@ Used as the reward model (score = value at the last non-pad token, as in DeepSpe
 and later as the PPO critic (per-token values).  Works with left or right padding: position ids
 are derived from the attention mask and the last index is computed from the mask, vectorised.
 
-Saved layout (``save_pretrained``)::
-
-    config.json, model.safetensors     the backbone in HF format (``AutoModel``)
-    value_head.safetensors             {"weight": [1, hidden]}
-    value_head.json                    {"format": "rlhf-ops/value-head", "hidden_size": ..., ...}
+The in-memory model that trains; on disk it is a transformers ``*ForSequenceClassification`` checkpoint (the
+backbone + the head as ``score``, one label), which HF, TRL and OpenRLHF load unchanged: ``save_pretrained`` and
+``from_pretrained`` go through ``rlhf_core.models.reward_format``, which also reads the value-head layout that came
+before it and Hub / TRL reward models.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +21,8 @@ import torch
 from torch import nn
 
 from rlhf_core.algos import gather_last
-from rlhf_core.integrity import verify_model_dir
 from rlhf_core.prefix_cache import position_ids as positions_from_mask
 from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths
-
-VALUE_HEAD_WEIGHTS = "value_head.safetensors"
-VALUE_HEAD_CONFIG = "value_head.json"
-FORMAT = "rlhf-ops/value-head"
-
 
 @contextlib.contextmanager
 def _full(param: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -124,46 +116,21 @@ class ValueHeadModel(nn.Module):
                                   suffix_mask.long(), response_lengths(suffix_mask))
 
     # ------------------------------------------------------------------ save / load
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Backbone with ``save_pretrained`` (safetensors) + value head weights + a small json."""
-        from safetensors.torch import save_file
+    def save_pretrained(self, directory: str | Path, pad_token_id: int | None = None) -> None:
+        """A ``*ForSequenceClassification`` checkpoint (safetensors) with ``pad_token_id`` (the tokenizer's; else
+        the backbone config's) in its config: ``reward_format.save_seq_cls``."""
+        from rlhf_core.models.reward_format import save_seq_cls
 
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.backbone.save_pretrained(directory)
-        save_file({"weight": self.value_head.weight.detach().float().cpu().contiguous()},
-                  str(directory / VALUE_HEAD_WEIGHTS))
-        (directory / VALUE_HEAD_CONFIG).write_text(json.dumps({
-            "format": FORMAT, "hidden_size": int(self.value_head.in_features), "bias": False,
-            "score": "value at the last non-pad token (attention_mask)",
-            "position_ids": "from attention_mask (cumsum - 1)",
-        }, indent=2) + "\n")
+        save_seq_cls(self, directory, pad_token_id)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, trust_remote_code: bool = False, attn_implementation: str = "sdpa",
                         dtype: torch.dtype | None = None, require_head: bool = False) -> ValueHeadModel:
-        """Load a saved ValueHeadModel; a plain HF model directory (e.g. the SFT model) gets a fresh head
-        unless ``require_head``.  Weights are read from safetensors only, after a sealed directory was checked
-        against its manifest (``CorruptModelError`` names the file)."""
-        from safetensors.torch import load_file
-        from transformers import AutoModel
+        """A saved reward / value model (``*ForSequenceClassification``, directory or Hub id; or the previous
+        value-head layout); a plain HF model directory (e.g. the SFT model) gets a fresh head unless
+        ``require_head``: ``reward_format.load_value_model``. Safetensors only, a sealed directory checked against
+        its manifest first (``CorruptModelError`` names the file)."""
+        from rlhf_core.models.reward_format import load_value_model
 
-        path = Path(path)
-        verify_model_dir(path)
-        backbone = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=trust_remote_code,
-                                             attn_implementation=attn_implementation,
-                                             **({"dtype": dtype} if dtype is not None else {}))
-        model = cls(backbone)
-        head_file = path / VALUE_HEAD_WEIGHTS
-        if head_file.exists():
-            weight = load_file(str(head_file))["weight"]
-            if weight.shape != model.value_head.weight.shape:
-                raise ValueError(f"{head_file}: value head shape {tuple(weight.shape)} does not match the backbone "
-                                 f"hidden size {model.value_head.in_features}")
-            with torch.no_grad(), _full(model.value_head.weight) as w:
-                w.copy_(weight.to(w.dtype))
-        elif require_head:
-            raise FileNotFoundError(f"{path}: no {VALUE_HEAD_WEIGHTS}; not a saved reward/value model")
-        if dtype is not None:
-            model.value_head.to(dtype)
-        return model
+        return load_value_model(path, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
+                                dtype=dtype, require_head=require_head)

@@ -259,6 +259,6 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
                       score="value at the last non-pad token", role="judge" if role is JUDGE else "proxy",
                       trained_on=str(train_file), **({"ensemble_member": role.member} if role.member else {}))
     return finish_stage(root, role.stage, engine, root / role.model_dir,
-                        lambda m, d: save_value_model(m, d, merge_lora=compute.lora.merge_on_save), tokenizer, meta,
+                        lambda m, d: save_value_model(m, d, compute.lora.merge_on_save, pad_id), tokenizer, meta,
                         metrics, (f"{role.stage}_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log,
                         params)

@@ -79,7 +79,9 @@ def load_reference(params: Params, sft_dir: Path, actor_engine, actor_init: Path
 
 
 def load_critic(params: Params, rm_dir: Path):
-    """The value model, initialised from the reward model (backbone and scalar head).
+    """The value model, initialised from the reward model (backbone and scalar head): ours, any decoder
+    ``*ForSequenceClassification`` reward model (a Hub or TRL one; its tokenizer must be the actor's,
+    ``inputs.check_critic_tokenizer``), or the previous value-head layout (``models.reward_format``).
 
     When ``rm_dir`` holds an ensemble (``rm.ensemble``), the reward is the members' mean *standardised* score
     while the head is member 0's raw one: the head is divided by member 0's scale ``a_0`` (``ensemble.json``)

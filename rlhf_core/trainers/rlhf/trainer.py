@@ -428,7 +428,8 @@ class RLHFTrainer:
         save_final(self.actor, root / paths.ACTOR_MODEL, lambda m, d: save_causal_lm(m, d, merge_lora=merge),
                    self.tokenizer, {**meta, "role": "actor"}, card=card("actor"))
         if self.critic is not None:
-            save_final(self.critic, root / paths.CRITIC_MODEL, lambda m, d: save_value_model(m, d, merge_lora=merge),
+            pad_id = self.tokenizer.pad_token_id
+            save_final(self.critic, root / paths.CRITIC_MODEL, lambda m, d: save_value_model(m, d, merge, pad_id),
                        self.tokenizer, {**meta, "role": "critic"}, card=card("critic", with_metrics=False))
         elif D.is_main():
             write_meta_only(root / paths.CRITIC_MODEL, {**meta, "role": "critic", "critic": None,
