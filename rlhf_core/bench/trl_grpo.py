@@ -13,7 +13,8 @@ The same inputs and budget as ``rlhf stage rlhf`` with ``rlhf.algorithm: grpo`` 
   x grad_accum)`` optimizer steps (``steps_per_generation`` micro-batches, ``gradient_accumulation_steps``),
   ``ppo_epochs`` passes (``num_iterations``), ``num_steps`` iterations; ``lr`` and its schedule, AdamW betas
   (0.9, 0.95) and eps as our DeepSpeed config, grad clip, gradient checkpointing as ``compute``;
-  ``beta = grpo.beta`` (TRL: k3 in the loss), ``epsilon = grpo.clip_eps``, ``scale_rewards = grpo.scale``,
+  ``beta = grpo.beta`` (TRL: k3 in the loss), ``epsilon = grpo.clip_eps``, the same LoRA adapters
+  (``compute.lora``, ``peft_config``), ``scale_rewards = grpo.scale``,
   temperature, top-p, top-k off, ``max_new_tokens``; TRL's default ``loss_type="dapo"`` (token-level mean, like
   ours). What TRL has no equivalent of (ptx, entropy bonus, no-EOS penalty, another KL estimator, dropping
   uniform groups, batches that do not divide the rows) is refused, so a comparison is always like for like.
@@ -101,8 +102,15 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
         seed=params.project.seed, data_seed=params.project.seed, dataloader_num_workers=0, disable_dropout=True)
     timer = Timer()
     dataset = Dataset.from_dict({"prompt": data.texts, "answer": data.answers})
+    lora = params.compute.lora
+    peft_config = None
+    if lora.enabled:  # the same adapters as ours; TRL's reference is then the model with its adapter disabled
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                                 target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tok,
-                          callbacks=[timer])
+                          callbacks=[timer], peft_config=peft_config)
     trainer.train()
     final = heldout_eval(trainer.model, tok, held, params.eval, "cpu", ref=ref, reward=reward)
     metrics = {
