@@ -8,10 +8,9 @@ Token ``k`` of ``y_j`` attends to the prompt ``x`` and to ``y_j[:k]`` only (the 
 it has in its own row (``|x| + k``), so its hidden states, and the logits, are those of the row up to float
 rounding. The logit that scores ``y_j[0]`` is the prompt's last position, shared by the group; ``y_j[k]`` is
 scored at ``y_j[k - 1]``. A response's last token scores nothing and is not fed. So a group costs
-``|x| + sum_j (|y_j| - 1)`` positions, padded to the widest group, in one pass with no KV cache to index:
-on the demo's micro-batches (G = 4, prompts of 9-11 tokens, responses of 2-8, CPU) 0.65x the training forward
-and backward time of ``generation.shared_prefix_logits`` (the prompt's cache indexed out to length buckets) and
-0.60x a forward alone; on a GPU at 1B scale 0.63-0.94x (rows of 190-2586 tokens).
+``|x| + sum_j (|y_j| - 1)`` positions, padded to the widest group, in one pass with no KV cache to index,
+against ``generation.shared_prefix_logits`` (the prompt's cache indexed out to length buckets) and the plain
+forward: timings in docs/benchmarks.md (the demo's on CPU in docs/rlhf.md).
 
 The mask is a dense ``[U, 1, W, W]`` boolean for ``scaled_dot_product_attention`` (transformers passes a 4D mask
 through as is): only models running ``attn_implementation="sdpa"`` are packed, and only up to
@@ -27,9 +26,8 @@ import torch
 
 from rlhf_core.prefix_cache import response_lengths
 
-# Attention over a packed row grows with its width squared. Measured on an H200 in bf16 (a 953M Llama shape,
-# docs/benchmarks.md): packed rows of 190-2586 tokens took 0.47-0.61x the plain forward's time against 0.61-0.98x
-# for the shared cache; rows of 4537 and 7972 tokens 0.70x and 0.63x against 0.64x and 0.54x.
+# Attention over a packed row grows with its width squared: the widest row packed, where packing stopped paying
+# against the shared cache (docs/benchmarks.md, "Packed groups on a GPU, and where packing stops paying").
 PACK_MAX_WIDTH = 2560
 
 
