@@ -13,9 +13,13 @@ against ``generation.shared_prefix_logits`` (the prompt's cache indexed out to l
 forward: timings in docs/benchmarks.md (the demo's on CPU in docs/rlhf.md).
 
 The mask is a dense ``[U, 1, W, W]`` boolean for ``scaled_dot_product_attention`` (transformers passes a 4D mask
-through as is): only models running ``attn_implementation="sdpa"`` are packed, and only up to
+through as is), and it is all that decides what a token sees only where every layer attends to all earlier
+positions: models running ``attn_implementation="sdpa"`` with no sliding window and no convolutional or
+recurrent layer are packed (:func:`supports_packing`; a window counts columns, which packing moves, and a
+convolution or recurrence runs along the packed row across the responses). Rows are packed only up to
 ``PACK_MAX_WIDTH`` columns, beyond which attention over the packed row (quadratic in its width) outgrows what
-padding costs. Otherwise the caller falls back to the shared-prefix cache.
+padding costs. Otherwise the caller falls back to the shared-prefix cache, or to plain forwards where the
+model cannot share it (``prefix_cache.supports_prefix_cache``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.prefix_cache import response_lengths
+from rlhf_core.prefix_cache import model_config, recurrent_layers, refused, response_lengths, windowed_attention
 
 # Attention over a packed row grows with its width squared: the widest row packed, where packing stopped paying
 # against the shared cache (docs/benchmarks.md, "Packed groups on a GPU, and where packing stops paying").
@@ -48,14 +52,18 @@ class PackedGroups:
         return self.input_ids.shape[1]
 
 
+def _sdpa(config) -> str | None:
+    attn = getattr(config, "_attn_implementation", None)
+    return None if attn == "sdpa" else f"attention {attn}, not sdpa"
+
+
 def supports_packing(model) -> bool:
-    """True when ``model`` (an HF model, or a wrapper exposing it as ``.module``) attends with SDPA."""
-    for _ in range(4):
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            return config._attn_implementation == "sdpa"
-        model = getattr(model, "module", None)
-    return False
+    """True when ``model`` (an HF model, or a wrapper exposing it as ``.module``) attends with SDPA and every layer
+    to all earlier positions (no window: ``prefix_cache.windowed_attention``; no convolution or recurrence:
+    ``prefix_cache.recurrent_layers``); a refusal is logged once. False without a config."""
+    return model_config(model) is not None and not refused(
+        model, "group packing", "the groups share the prompt's cache or go through whole", _sdpa,
+        recurrent_layers, windowed_attention)
 
 
 def pack_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int, first: torch.Tensor,

@@ -12,8 +12,10 @@ Positions count real tokens only (``position_ids``) and masked keys add nothing 
 token sees the same keys at the same positions as in the left-padded row: the same outputs up to float
 rounding. The index that repeats the head is a gather, so the head's gradient is the sum over its rows.
 
-``prefix_cache`` serves every model with a cache whose rows can be indexed (``Cache.batch_select_indices``):
-the actor's and reference's log-prob passes, the critic and the reward model's scoring.
+``prefix_cache`` serves the actor's and reference's log-prob passes, the critic and the reward model's scoring,
+for models whose every layer is full attention (:func:`supports_prefix_cache`): a layer that carries a state
+along the row (convolution, recurrence, linear attention) has no cache to index by rows, and a sliding window
+counts columns, which the re-layout moves. Their callers run the full rows instead.
 
 What attends to the cache are the rows' right-padded responses, mostly shorter than the longest. The rows are
 cut into at most two buckets by length (``length_buckets``), each computed only as wide as its longest row
@@ -23,9 +25,82 @@ cut into at most two buckets by length (``length_buckets``), each computed only 
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
+
+# Layer kinds (``config.layer_types``) that keep keys and values per row and nothing else
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+# Model types whose layers carry a state along the row (convolution, recurrence, state space), for configs that
+# list no ``layer_types`` (older transformers releases, remote code)
+RECURRENT_MODEL_TYPES = frozenset({
+    "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "lfm2", "lfm2_moe", "mamba", "mamba2",
+    "minimax", "nemotron_h", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2"})
+
+
+def model_config(model):
+    """The (text) config of ``model``, an HF model or a wrapper exposing one as ``.module``; None if it has none."""
+    for _ in range(4):
+        config = getattr(model, "config", None)
+        if config is not None:
+            return config.get_text_config() if hasattr(config, "get_text_config") else config
+        model = getattr(model, "module", None)
+    return None
+
+
+def recurrent_layers(config) -> str | None:
+    """Why a layer of ``config`` carries a state along the row besides keys and values (a layer type other than
+    ``ATTENTION_LAYERS``; without ``layer_types``, a model type of ``RECURRENT_MODEL_TYPES``), or None."""
+    types = set(getattr(config, "layer_types", None) or ())
+    if types:
+        other = sorted(types - ATTENTION_LAYERS)
+        return f"layer types {other}" if other else None
+    model_type = getattr(config, "model_type", None)
+    return f"model type {model_type}" if model_type in RECURRENT_MODEL_TYPES else None
+
+
+def windowed_attention(config) -> str | None:
+    """Why a layer of ``config`` attends to less than every earlier position (a sliding window, unless
+    ``use_sliding_window`` is False; a layer type other than ``full_attention``), or None."""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) is not False:
+        return f"sliding window {window}"
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    return f"layer types {other}" if other else None
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    """Log ``message`` (a fallback and its reason) the first time only, per process."""
+    log.warning(message)
+
+
+def refused(model, what: str, fallback: str, *checks: Callable) -> bool:
+    """True when a check (``config -> reason | None``) of ``model``'s config gives a reason; the first refusal of
+    ``what`` per model type and reason is logged with the ``fallback`` taken. False without a config."""
+    config = model_config(model)
+    why = next((r for r in (check(config) for check in checks) if r is not None), None) if config else None
+    if why is not None:
+        warn_once(f"{what} is off for model type {getattr(config, 'model_type', '?')} ({why}): {fallback}")
+    return why is not None
+
+
+def supports_prefix_cache(model) -> bool:
+    """True unless a layer of ``model`` carries a state along the row or has a window (:func:`recurrent_layers`,
+    :func:`windowed_attention`); a refusal is logged once. Models without a config are tried (and their caller
+    falls back when the cache :func:`prefix_cache` gets cannot be indexed)."""
+    return not refused(model, "the shared prompt cache", "their rows go through whole",
+                        recurrent_layers, windowed_attention)
+
+
+def supports_cache_repeat(model) -> bool:
+    """True unless a layer of ``model`` carries a state along the row (:func:`recurrent_layers`): a windowed KV
+    cache repeats to rows as a full one does (``generation.prefilled_cache``); a refusal is logged once."""
+    return not refused(model, "the rollout's shared prefill", "each row prefills itself", recurrent_layers)
 
 # forward(input_ids, attention_mask over the cache and the new tokens, position_ids of the new tokens, cache)
 #   -> the cache extended by the new tokens

@@ -122,3 +122,77 @@ def test_rows_of_one_group_with_different_prompts_are_refused(pack):
     seq, att = _rows()
     with pytest.raises(ValueError, match="different prompts"):
         response_logits(_tiny_lm(), seq, att, 3, group=torch.tensor([0, 0, 0, 1, 1]), pack=pack)
+
+
+@pytest.mark.parametrize("arch", ["sliding_window", "conv_layer"])
+def test_models_that_do_more_than_attend_get_the_plain_forward_and_say_so_once(arch, caplog):
+    """A 4-token sliding window counts columns, which packing moves; a convolution runs along the packed row
+    across the responses. Both were packed (log-probs 1.67 and 0.26 nats off on real models) and the LFM2's
+    cache fallback crashed: now every pass over them is the plain forward, logged once."""
+    from rlhf_core.prefix_cache import warn_once
+    from tests.tiny import tiny_lm
+
+    warn_once.cache_clear()  # once per process: forget what earlier tests said
+    seq, att = _rows()
+    model = tiny_lm(arch)
+    m = att[:, -3:].bool()
+    calls = []
+    model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                          with_kwargs=True)
+
+    def run(group, pack):
+        model.zero_grad()
+        calls.clear()
+        logits = response_logits(model, seq, att, 3, group=group, pack=pack)
+        (logits.log_softmax(-1) * m[..., None]).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    full, full_grads = run(None, False)
+    for pack in (True, True, False):
+        out, grads = run(GROUP, pack)
+        assert calls == [(5, 6)]  # one plain forward over the full rows (but their last token)
+        torch.testing.assert_close(out[m], full[m], atol=1e-5, rtol=1e-5)
+        for a, b in zip(full_grads, grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    reason = "sliding window 4" if arch == "sliding_window" else "layer types ['conv']"
+    assert [s for s in said if s.startswith("group packing is off")] == [
+        f"group packing is off for model type {model.config.model_type} ({reason}): the groups share the prompt's "
+        "cache or go through whole"]
+    assert sum(s.startswith("the shared prompt cache is off") for s in said) == 1
+
+
+def test_a_mistral_without_a_window_is_packed():
+    from tests.tiny import tiny_lm
+
+    seq, att = _rows()
+    model = tiny_lm("full_window")
+    m = att[:, -3:].bool()
+    calls = []
+    model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                          with_kwargs=True)
+    packed = response_logits(model, seq, att, 3, group=GROUP, pack=True)
+    assert calls == [(2, 7)]
+    torch.testing.assert_close(packed[m], response_logits(model, seq, att, 3)[m], atol=1e-5, rtol=1e-5)
+
+
+def test_which_configs_are_packed():
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    def packs(model_type, attn="sdpa", **kwargs):
+        config = AutoConfig.for_model(model_type, **kwargs)
+        config._attn_implementation = attn
+        return supports_packing(SimpleNamespace(config=config))
+
+    assert packs("llama") and packs("qwen2") and packs("mixtral") and packs("mistral", sliding_window=None)
+    assert packs("qwen2", sliding_window=4096, use_sliding_window=False)  # a window named but not used
+    assert packs("lfm2", layer_types=["full_attention"] * 2, num_hidden_layers=2)  # attention only
+    assert not packs("llama", attn="eager")
+    assert not packs("mistral")  # sliding_window 4096 by default
+    assert not packs("phi3", sliding_window=2047)
+    assert not packs("gemma2") and not packs("gpt_oss")  # sliding_attention layers
+    assert not packs("lfm2", layer_types=["conv", "full_attention"], num_hidden_layers=2)
+    assert not packs("qwen3_next") and not packs("mamba") and not packs("jamba")  # linear attention / SSM layers
+    assert not packs("rwkv")  # recurrent, no layer_types at all

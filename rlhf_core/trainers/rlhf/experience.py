@@ -44,7 +44,7 @@ from rlhf_core.generation import (
     rollout,
     shared_prefix_split,
 )
-from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths
+from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
 
 
 # --------------------------------------------------------------------------- the critic's forward
@@ -56,11 +56,12 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
     ``group`` (rows of one prompt consecutive): each prompt but its last token goes through the critic once and
     its KV cache is indexed out to its rows per bucket of response lengths, as the actor's log-prob pass does
     (``generation.shared_prefix_logits``); the same values and gradients at the masked-in positions up to float
-    rounding, 0 past a row's bucket width.
+    rounding, 0 past a row's bucket width. Models that cannot share the cache (``supports_prefix_cache``) run
+    the full rows.
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
     values = None
-    if split is not None:
+    if split is not None and supports_prefix_cache(critic):
         first, owner, P = split
 
         def cache_forward(ids, mask, pos, cache):
