@@ -17,7 +17,7 @@ import torch
 
 from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.data import collate
-from rlhf_core.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, supports_packing
+from rlhf_core.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, packed_width, supports_packing
 from rlhf_core.prefix_cache import (
     on_shared_prefixes,
     position_ids,
@@ -238,17 +238,17 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
 
     ``group`` (``[B]``, rows of one prompt consecutive, e.g. GRPO's G samples) computes each prompt once: with
     ``pack`` and a model whose every layer is SDPA attention without a window (``supports_packing``), the
-    group's responses packed after its prompt in one row (``group_packing``, up to ``PACK_MAX_WIDTH`` columns);
-    otherwise the prompt's KV cache indexed out to buckets of response lengths (:func:`shared_prefix_logits`,
-    ``supports_prefix_cache``); otherwise one plain forward. The same logits (and gradients) at the response's
-    masked-in positions up to float rounding, fewer FLOPs; 0 past them.
+    group's responses packed after its prompt in one row (``group_packing``, up to ``PACK_MAX_WIDTH`` columns,
+    checked before the mask is built); otherwise the prompt's KV cache indexed out to buckets of response
+    lengths (:func:`shared_prefix_logits`, ``supports_prefix_cache``); otherwise one plain forward. The same
+    logits (and gradients) at the response's masked-in positions up to float rounding, fewer FLOPs; 0 past
+    them.
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
     logits = None
-    if split is not None and pack and supports_packing(model):
-        packed = pack_groups(sequences, attention_mask, response_len, split[0], split[1])
-        if packed.width <= PACK_MAX_WIDTH:
-            logits = packed_logits(model, packed)
+    if split is not None and pack and supports_packing(model) and (
+            packed_width(attention_mask, response_len, split[0], split[1]) <= PACK_MAX_WIDTH):
+        logits = packed_logits(model, pack_groups(sequences, attention_mask, response_len, split[0], split[1]))
     if split is not None and logits is None and supports_prefix_cache(model):
         logits = _cached_prefix_logits(model, sequences, attention_mask, response_len, *split)
     if logits is None:

@@ -196,3 +196,36 @@ def test_which_configs_are_packed():
     assert not packs("lfm2", layer_types=["conv", "full_attention"], num_hidden_layers=2)
     assert not packs("qwen3_next") and not packs("mamba") and not packs("jamba")  # linear attention / SSM layers
     assert not packs("rwkv")  # recurrent, no layer_types at all
+
+
+def test_rows_past_the_width_bound_never_build_the_mask(monkeypatch):
+    """The packed width is decided from the lengths before the ``[U, 1, W, W]`` mask is built: a group of four
+    150-token responses packs to W = 3 + 4 x 149 = 599 columns, past a bound of 64, and no boolean tensor of
+    ``W^2`` elements is ever allocated (the fall-back used to build the mask first: +240 MB at W = 5602)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlhf_core.group_packing import packed_width
+
+    class LargestBool(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.bool:
+                    LargestBool.numel = max(LargestBool.numel, t.numel())
+            return out
+
+    monkeypatch.setattr("rlhf_core.generation.PACK_MAX_WIDTH", 64)
+    prompt = torch.tensor([[PAD, 1, 7, 8]]).repeat(4, 1)
+    responses = torch.randint(3, 16, (4, 150), generator=torch.Generator().manual_seed(0))
+    seq = torch.cat([prompt, responses], dim=1)
+    att = (seq != PAD).long()
+    group = torch.zeros(4, dtype=torch.long)
+    first, owner, _ = shared_prefix_split(seq, att, 150, group)
+    assert packed_width(att, 150, first, owner) == 599
+    model = _tiny_lm()
+    with torch.no_grad(), LargestBool():
+        out = response_logits(model, seq, att, 150, group=group, pack=True)
+    assert LargestBool.numel < 599 * 599
+    torch.testing.assert_close(out, response_logits(model, seq, att, 150), atol=1e-5, rtol=1e-5)
