@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 
+from rlhf_core.engine import distributed as D
+
 log = logging.getLogger(__name__)
 
 # Layer kinds (``config.layer_types``) that keep keys and values per row and nothing else
@@ -134,15 +136,17 @@ def common_head(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tenso
     return K, ids.gather(1, src), mask.gather(1, src)
 
 
-def prefix_cache(forward: CacheForward, ids: torch.Tensor, mask: torch.Tensor) -> tuple[object, torch.Tensor]:
+def prefix_cache(forward: CacheForward, ids: torch.Tensor, mask: torch.Tensor,
+                 hoist: bool = True) -> tuple[object, torch.Tensor]:
     """The KV cache of the left-padded prefixes ``ids`` ``[N, C]`` and the attention mask ``[N, C]`` of its
     columns (re-laid out by :func:`common_head`); what attends to the cache must extend that mask. Index it out
     to rows with :func:`select_rows`.
 
     The common head goes through ``forward`` once (one row, K positions) and is indexed out to the N prefixes,
     then each prefix's remaining ``C - K`` columns go through on top of it: ``K + N (C - K)`` positions instead
-    of ``N C``. The cache is None when the model's cannot be indexed (a remote-code model's tuples)."""
-    K, ids, mask = common_head(ids, mask)
+    of ``N C`` (one pass, as the rows are, without ``hoist``). The cache is None when the model's cannot be
+    indexed (a remote-code model's tuples)."""
+    K, ids, mask = common_head(ids, mask) if hoist else (0, ids, mask)
     pos = position_ids(mask)
     if K == 0:
         cache = forward(ids, mask, pos, None)
@@ -161,14 +165,21 @@ SuffixForward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 
 def on_shared_prefixes(cache_forward: CacheForward, suffix_forward: SuffixForward, prefix_ids: torch.Tensor,
                        prefix_mask: torch.Tensor, owner: torch.Tensor, suffix_ids: torch.Tensor,
-                       suffix_mask: torch.Tensor, lengths: torch.Tensor, width: int | None = None
-                       ) -> torch.Tensor | None:
+                       suffix_mask: torch.Tensor, lengths: torch.Tensor, width: int | None = None,
+                       lockstep: bool = False) -> torch.Tensor | None:
     """``suffix_forward`` over the rows ``cat(prefix_ids[owner[i]], suffix_ids[i])`` with each prefix computed once
     (:func:`prefix_cache`), the rows in buckets of ``lengths`` (:func:`by_length`): per bucket of width ``w`` the
     cache is indexed out to its rows (:func:`select_rows`) and their first ``w`` suffix columns attend to it,
     under the prefix mask extended by theirs. The output as :func:`by_length` assembles it (``width``: per
-    column); None when the model's cache cannot be indexed."""
-    cache, cache_mask = prefix_cache(cache_forward, prefix_ids, prefix_mask)
+    column); None when the model's cache cannot be indexed.
+
+    The passes this makes depend on the rows: a common head or not, one bucket or two. ``lockstep`` (ZeRO-3 over
+    several ranks: ``distributed.forwards_in_lockstep``) makes every rank choose alike: the head hoisted only
+    where every rank has one, two buckets only where every rank would cut its rows in two."""
+    hoist, two = common_head(prefix_ids, prefix_mask)[0] > 0, len(length_buckets(lengths)) > 1
+    if lockstep:
+        hoist, two = D.all_agree(hoist, two)
+    cache, cache_mask = prefix_cache(cache_forward, prefix_ids, prefix_mask, hoist)
     if cache is None:
         return None
 
@@ -176,7 +187,7 @@ def on_shared_prefixes(cache_forward: CacheForward, suffix_forward: SuffixForwar
         mask = torch.cat([cache_mask[owner[rows]], suffix_mask[rows, :w]], dim=1)
         return suffix_forward(suffix_ids[rows, :w], mask, select_rows(cache, owner[rows]))
 
-    return by_length(lengths, bucket, width)
+    return by_length(lengths, bucket, width, max_buckets=2 if two else 1)
 
 
 def select_rows(cache, rows: torch.Tensor):
@@ -192,16 +203,17 @@ def select_rows(cache, rows: torch.Tensor):
 MIN_BUCKET_SAVING = 0.25
 
 
-def length_buckets(lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+def length_buckets(lengths: torch.Tensor, max_buckets: int = 2) -> list[tuple[torch.Tensor, int]]:
     """Rows ``[B]`` of ``lengths`` as ``[(rows, width)]``: one bucket of all rows at the longest length, or two
-    (the rows up to a cut length ``c``, the rest) when the cut that minimises the positions computed,
-    ``n(<= c) c + n(> c) max``, saves at least ``MIN_BUCKET_SAVING`` of ``B max``. Widths are at least 1."""
+    (the rows up to a cut length ``c``, the rest) when ``max_buckets`` allows and the cut that minimises the
+    positions computed, ``n(<= c) c + n(> c) max``, saves at least ``MIN_BUCKET_SAVING`` of ``B max``. Widths
+    are at least 1."""
     lens = lengths.long().clamp(min=1).cpu()
     W, B = int(lens.max()), len(lens)
     values = torch.unique(lens)[:-1]
     short = (lens[None, :] <= values[:, None]).sum(dim=1)
     cost = short * values + (B - short) * W
-    if len(values) == 0 or int(cost.min()) > (1 - MIN_BUCKET_SAVING) * B * W:
+    if max_buckets < 2 or len(values) == 0 or int(cost.min()) > (1 - MIN_BUCKET_SAVING) * B * W:
         return [(torch.arange(B, device=lengths.device), W)]
     cut = int(values[cost.argmin()])
     rows = torch.arange(B)
@@ -209,12 +221,12 @@ def length_buckets(lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
 
 
 def by_length(lengths: torch.Tensor, compute: Callable[[torch.Tensor, int], torch.Tensor],
-              width: int | None = None) -> torch.Tensor:
+              width: int | None = None, max_buckets: int = 2) -> torch.Tensor:
     """``compute(rows, w)`` per bucket of :func:`length_buckets` (the rows' first ``w`` columns), put back in row
     order: ``[B, ...]`` from parts ``[len(rows), ...]`` (one value per row, e.g. a score); with ``width``,
     ``[B, width, ...]`` from parts ``[len(rows), w, ...]``, the columns past a row's bucket width 0 (they must
     be masked)."""
-    buckets = length_buckets(lengths)
+    buckets = length_buckets(lengths, max_buckets)
     if len(buckets) == 1 and width in (None, buckets[0][1]):
         return compute(*buckets[0])
     out = None

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -229,3 +236,34 @@ def test_rows_past_the_width_bound_never_build_the_mask(monkeypatch):
         out = response_logits(model, seq, att, 150, group=group, pack=True)
     assert LargestBool.numel < 599 * 599
     torch.testing.assert_close(out, response_logits(model, seq, att, 150), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path):
+    """Under ZeRO-3 every forward all-gathers the parameters, so ranks that made different passes hung. Two
+    ranks on CPU (gloo) get rows that alone would take different paths (tests/zero3_ranks.py): packed or
+    not, a common head or not, one length bucket or two, a shared prompt or none, a shared prefill or not.
+    Both finish, make the same passes, and the actor's logits and the critic's values equal each rank's plain
+    forward."""
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+           str(repo / "tests/zero3_ranks.py"), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torchrun stops its workers
+        _, err = proc.communicate(timeout=120)
+        pytest.fail(f"the ranks hung: unequal forward passes under ZeRO-3\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0.keys() == r1.keys() == {"pack", "head", "buckets", "no_group", "prefill"}
+    for case in r0:
+        assert len(r0[case]["passes"]) == len(r1[case]["passes"]), (case, r0[case], r1[case])
+        assert max(r0[case].get("max_diff", 0), r1[case].get("max_diff", 0)) < 1e-5, case
+    # what every rank agreed to: the prompt's cache where one rank's row is too wide to pack; no head where one
+    # rank's prompts part at their first token; one bucket where one rank's rows are all one length; the plain
+    # forward where one rank has nothing to share; no shared prefill where one rank's prefix is all padding
+    assert [len(r0[c]["passes"]) for c in ("pack", "head", "buckets", "no_group")] == [2, 2, 2, 1]
+    assert r0["prefill"] == r1["prefill"] == {"passes": [], "cache": False}

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.algos import kl_estimate
+from rlhf_core.engine import distributed as D
 from rlhf_core.generation import (
     GenerationConfig,
     PromptResponseBatch,
@@ -56,12 +57,16 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
     ``group`` (rows of one prompt consecutive): each prompt but its last token goes through the critic once and
     its KV cache is indexed out to its rows per bucket of response lengths, as the actor's log-prob pass does
     (``generation.shared_prefix_logits``); the same values and gradients at the masked-in positions up to float
-    rounding, 0 past a row's bucket width. Models that cannot share the cache (``supports_prefix_cache``) run
-    the full rows.
+    rounding, 0 past a row's bucket width. Models that cannot share the cache (``supports_prefix_cache``), and
+    under ZeRO-3 over several ranks all ranks unless every one can, run the full rows.
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
+    shares = split is not None and supports_prefix_cache(critic)
+    lockstep = D.forwards_in_lockstep(critic)
+    if lockstep:
+        (shares,) = D.all_agree(shares)
     values = None
-    if split is not None and supports_prefix_cache(critic):
+    if shares:
         first, owner, P = split
 
         def cache_forward(ids, mask, pos, cache):
@@ -72,7 +77,8 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
 
         values = on_shared_prefixes(cache_forward, suffix_values, sequences[first, :P - 1],
                                     attention_mask[first, :P - 1], owner, sequences[:, P - 1:],
-                                    attention_mask[:, P - 1:], response_lengths(attention_mask[:, P:]), response_len)
+                                    attention_mask[:, P - 1:], response_lengths(attention_mask[:, P:]), response_len,
+                                    lockstep)
     if values is None:
         mask = attention_mask[:, :-1]
         values = critic(sequences[:, :-1], mask, position_ids(mask)).values[:, -response_len:]
