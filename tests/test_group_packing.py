@@ -242,9 +242,9 @@ def test_rows_past_the_width_bound_never_build_the_mask(monkeypatch):
 def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path):
     """Under ZeRO-3 every forward all-gathers the parameters, so ranks that made different passes hung. Two
     ranks on CPU (gloo) get rows that alone would take different paths (tests/zero3_ranks.py): packed or
-    not, a common head or not, one length bucket or two, a shared prompt or none, a shared prefill or not.
-    Both finish, make the same passes, and the actor's logits and the critic's values equal each rank's plain
-    forward."""
+    not, a common head or not, one length bucket or two, a shared prompt or none, a shared prefill or not,
+    the experience passes in one slice of rows or three. Both finish, make the same passes, and the actor's
+    logits and the critic's values equal each rank's plain forward."""
     repo = Path(__file__).resolve().parents[1]
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
            str(repo / "tests/zero3_ranks.py"), str(tmp_path)]
@@ -258,7 +258,7 @@ def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path
         pytest.fail(f"the ranks hung: unequal forward passes under ZeRO-3\n{err[-3000:]}")
     assert proc.returncode == 0, err[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0.keys() == r1.keys() == {"pack", "head", "buckets", "no_group", "prefill"}
+    assert r0.keys() == r1.keys() == {"pack", "head", "buckets", "no_group", "slices", "prefill"}
     for case in r0:
         assert len(r0[case]["passes"]) == len(r1[case]["passes"]), (case, r0[case], r1[case])
         assert max(r0[case].get("max_diff", 0), r1[case].get("max_diff", 0)) < 1e-5, case
@@ -266,4 +266,7 @@ def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path
     # rank's prompts part at their first token; one bucket where one rank's rows are all one length; the plain
     # forward where one rank has nothing to share; no shared prefill where one rank's prefix is all padding
     assert [len(r0[c]["passes"]) for c in ("pack", "head", "buckets", "no_group")] == [2, 2, 2, 1]
+    # the experience in slices of 2 rows: the first through the prompt's cache (two passes); rank 1 has no
+    # second or third, and runs its last row again (one plain pass each; then no rank shares)
+    assert len(r0["slices"]["passes"]) == 4
     assert r0["prefill"] == r1["prefill"] == {"passes": [], "cache": False}

@@ -3,9 +3,10 @@
 
 Every forward of a ZeRO-3 model all-gathers its parameters, so the ranks must make the same passes. Each case
 gives rank 0 and rank 1 rows that would take different paths on their own (packed or not, a common head or
-not, one length bucket or two, a shared prompt or none, a shared prefill or not); each rank checks its shared
-pass against its plain forward and writes ``OUT/rank<r>.json``: the case, the forward passes it made and the
-largest difference. A rank that made a pass the other did not waits in the all-gather: the test times out.
+not, one length bucket or two, a shared prompt or none, a shared prefill or not, one slice of the experience
+rows or three); each rank checks its shared pass against its plain forward and writes ``OUT/rank<r>.json``:
+the case, the forward passes it made and the largest difference. A rank that made a pass the other did not
+waits in the all-gather: the test times out.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main(out: Path) -> None:
     from rlhf_core import generation
     from rlhf_core.generation import prefilled_cache, response_logits
     from rlhf_core.models.value_head import ValueHeadModel
-    from rlhf_core.trainers.rlhf.experience import sequence_values
+    from rlhf_core.trainers.rlhf.experience import batched, sequence_values
     from tests.tiny import tiny_lm
 
     rank = D.rank()
@@ -82,6 +83,15 @@ def main(out: Path) -> None:
             shared_v = sequence_values(critic, seq, att, R, group)
             diff = max(diff, float((shared_v - sequence_values(critic, seq, att, R))[m].abs().max()))
             results[case] = {"passes": made, "max_diff": diff}
+        # the experience passes in slices of 2 rows: rank 0 keeps 6 rows (3 slices), rank 1 keeps 2 (1 slice)
+        seq, att, group = _rows(*(CASES["buckets"][0] if rank == 0 else CASES["pack"][1]))
+        R = seq.shape[1] - 4
+        passes.clear()
+        sliced = batched(lambda s: response_logits(actor, seq[s], att[s], R, group=group[s]), len(seq), 2, True)
+        made = list(passes)
+        m = att[:, -R:].bool()
+        results["slices"] = {"passes": made,
+                             "max_diff": float((sliced - response_logits(actor, seq, att, R))[m].abs().max())}
         # the rollout's prefill: rank 1 has a one-token prompt, whose prefix would be all padding
         prompts = torch.tensor([[PAD, 1, 7, 8]] * 2 if rank == 0 else [[PAD, PAD, PAD, 1]] * 2)
         passes.clear()

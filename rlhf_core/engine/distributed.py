@@ -127,6 +127,15 @@ def all_agree(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(v) for v in t.tolist())
 
 
+def all_max(value: int) -> int:
+    """The largest ``value`` over ranks (as given in a world of one)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def forwards_in_lockstep(model) -> bool:
     """True when every rank must make the same forward passes through ``model`` (or the module it wraps as
     ``.module``): several ranks and its parameters partitioned by ZeRO-3, whose every forward all-gathers them

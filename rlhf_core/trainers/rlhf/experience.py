@@ -219,8 +219,19 @@ class MakerConfig:
     drop_uniform_groups: bool = False  # drop groups whose scores are all equal (zero advantage on every row)
 
 
-def _batched(fn, n: int, batch: int):
-    return torch.cat([fn(slice(i, i + batch)) for i in range(0, n, batch)]) if n else None
+def batched(fn, n: int, batch: int, lockstep: bool = False):
+    """``fn(slice)`` over rows ``0..n`` in slices of ``batch``, concatenated; None without rows. ``lockstep``
+    (ZeRO-3 over several ranks, ``distributed.forwards_in_lockstep``): as many slices as the rank with the
+    most rows makes (rows dropped as empty or uniform differ per rank), the slices past this rank's rows run
+    its last row again and drop the output, so every rank makes the same forward passes."""
+    slices = -(-n // batch)
+    if lockstep:
+        slices = D.all_max(slices)
+    if not n:
+        return None
+    parts = [fn(slice(i * batch, (i + 1) * batch)) if i * batch < n else fn(slice(n - 1, n))[:0]
+             for i in range(slices)]
+    return torch.cat(parts)
 
 
 class ExperienceMaker:
@@ -310,13 +321,15 @@ class ExperienceMaker:
                                      pack=cfg.pack_groups)
 
         if cfg.need_old_logp and exp.old_logp is None:  # not recorded while sampling
-            out["old_logp"] = _batched(lambda s: logprobs(self.actor, s).float(), len(exp), bs)
+            out["old_logp"] = batched(lambda s: logprobs(self.actor, s).float(), len(exp), bs,
+                                      D.forwards_in_lockstep(self.actor))
         if cfg.need_ref:
-            out["ref_logp"] = _batched(lambda s: logprobs(self.ref, s).float(), len(exp), bs)
+            out["ref_logp"] = batched(lambda s: logprobs(self.ref, s).float(), len(exp), bs,
+                                      D.forwards_in_lockstep(self.ref))
         if cfg.need_values:
-            out["values"] = _batched(lambda s: sequence_values(self.critic, seq[s], att[s], R,
-                                                               group[s] if group is not None else None).float(),
-                                     len(exp), bs)
+            out["values"] = batched(lambda s: sequence_values(self.critic, seq[s], att[s], R,
+                                                              group[s] if group is not None else None).float(),
+                                    len(exp), bs, D.forwards_in_lockstep(self.critic))
         return out
 
     def _forward_passes(self, exp: Experience) -> None:
