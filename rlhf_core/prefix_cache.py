@@ -85,7 +85,8 @@ def refused(model, what: str, fallback: str, *checks: Callable) -> bool:
     """True when a check (``config -> reason | None``) of ``model``'s config gives a reason; the first refusal of
     ``what`` per model type and reason is logged with the ``fallback`` taken. False without a config."""
     config = model_config(model)
-    why = next((r for r in (check(config) for check in checks) if r is not None), None) if config else None
+    reasons = [check(config) for check in checks] if config is not None else []
+    why = next((r for r in reasons if r is not None), None)
     if why is not None:
         warn_once(f"{what} is off for model type {getattr(config, 'model_type', '?')} ({why}): {fallback}")
     return why is not None
@@ -103,6 +104,7 @@ def supports_cache_repeat(model) -> bool:
     """True unless a layer of ``model`` carries a state along the row (:func:`recurrent_layers`): a windowed KV
     cache repeats to rows as a full one does (``generation.prefilled_cache``); a refusal is logged once."""
     return not refused(model, "the rollout's shared prefill", "each row prefills itself", recurrent_layers)
+
 
 # forward(input_ids, attention_mask over the cache and the new tokens, position_ids of the new tokens, cache)
 #   -> the cache extended by the new tokens
