@@ -17,8 +17,15 @@ import torch
 
 from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.data import collate
-from rlhf_core.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, supports_packing
-from rlhf_core.prefix_cache import on_shared_prefixes, position_ids, response_lengths
+from rlhf_core.engine import distributed as D
+from rlhf_core.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, packed_width, supports_packing
+from rlhf_core.prefix_cache import (
+    on_shared_prefixes,
+    position_ids,
+    response_lengths,
+    supports_cache_repeat,
+    supports_prefix_cache,
+)
 
 
 def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -194,13 +201,16 @@ def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenize
 
 def prefilled_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
     """The KV cache of ``prompt_ids[:, :P-1]`` computed once per run of ``group_size`` identical rows and
-    repeated to every row; None where nothing is shared, the rows do not come in such runs, or a prefix
-    would be all padding (then ``generate`` prefills every row itself)."""
+    repeated to every row; None where nothing is shared, the rows do not come in such runs, a prefix would be
+    all padding, or a layer of the model carries a state that cannot be repeated (``supports_cache_repeat``):
+    then ``generate`` prefills every row itself. Under ZeRO-3 over several ranks, only where every rank can."""
     B, P = prompt_ids.shape
-    if group_size < 2 or P < 2 or B % group_size:
-        return None
     firsts, first_mask = prompt_ids[::group_size, :P - 1], prompt_mask[::group_size, :P - 1]
-    if not bool(first_mask.any(dim=1).all()):
+    shares = (group_size > 1 and P > 1 and B % group_size == 0 and bool(first_mask.any(dim=1).all())
+              and supports_cache_repeat(model))
+    if D.forwards_in_lockstep(model):
+        (shares,) = D.all_agree(shares)
+    if not shares:
         return None
     if not torch.equal(prompt_ids[::group_size].repeat_interleave(group_size, dim=0), prompt_ids):
         raise ValueError(f"rollout: rows do not come in runs of {group_size} identical prompts")
@@ -230,19 +240,26 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     ignore left padding.
 
     ``group`` (``[B]``, rows of one prompt consecutive, e.g. GRPO's G samples) computes each prompt once: with
-    ``pack`` and an SDPA model, the group's responses packed after its prompt in one row
-    (``group_packing``, up to ``PACK_MAX_WIDTH`` columns); otherwise the prompt's KV cache indexed out to buckets
-    of response lengths (:func:`shared_prefix_logits`). The same logits (and gradients) at the response's
-    masked-in positions up to float rounding, fewer FLOPs; 0 past them.
+    ``pack`` and a model whose every layer is SDPA attention without a window (``supports_packing``), the
+    group's responses packed after its prompt in one row (``group_packing``, up to ``PACK_MAX_WIDTH`` columns,
+    checked before the mask is built); otherwise the prompt's KV cache indexed out to buckets of response
+    lengths (:func:`shared_prefix_logits`, ``supports_prefix_cache``); otherwise one plain forward. The same
+    logits (and gradients) at the response's masked-in positions up to float rounding, fewer FLOPs; 0 past
+    them. Under ZeRO-3 over several ranks every rank takes the same path (the first that all ranks can take),
+    so that all make the same forward passes.
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
+    packs = split is not None and pack and supports_packing(model) and (
+        packed_width(attention_mask, response_len, split[0], split[1]) <= PACK_MAX_WIDTH)
+    shares = split is not None and supports_prefix_cache(model)
+    lockstep = D.forwards_in_lockstep(model)
+    if lockstep:
+        packs, shares = D.all_agree(packs, shares)
     logits = None
-    if split is not None and pack and supports_packing(model):
-        packed = pack_groups(sequences, attention_mask, response_len, split[0], split[1])
-        if packed.width <= PACK_MAX_WIDTH:
-            logits = packed_logits(model, packed)
-    if split is not None and logits is None:
-        logits = _cached_prefix_logits(model, sequences, attention_mask, response_len, *split)
+    if packs:
+        logits = packed_logits(model, pack_groups(sequences, attention_mask, response_len, split[0], split[1]))
+    elif shares:
+        logits = _cached_prefix_logits(model, sequences, attention_mask, response_len, *split, lockstep)
     if logits is None:
         mask = attention_mask[:, :-1]
         logits = model(input_ids=sequences[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
@@ -253,7 +270,8 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
 def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                          group: torch.Tensor) -> torch.Tensor | None:
     """``response_logits`` (temperature 1) with each shared prompt computed once, or None where nothing is
-    shared (every row its own group), a prefix would be all padding, or the model's cache cannot be indexed.
+    shared (every row its own group), a prefix would be all padding, or the model's cache cannot be shared
+    (``prefix_cache.supports_prefix_cache``) or indexed.
 
     With ``P`` prompt columns, the prompt of each run of equal ``group`` ids minus its last token goes through
     the model once (``P - 1`` positions, one logit kept; the head all runs open with once for all of them:
@@ -270,11 +288,14 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
     must carry identical prompts (checked).
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group)
-    return None if split is None else _cached_prefix_logits(model, sequences, attention_mask, response_len, *split)
+    if split is None or not supports_prefix_cache(model):
+        return None
+    return _cached_prefix_logits(model, sequences, attention_mask, response_len, *split)
 
 
 def _cached_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                          first: torch.Tensor, owner: torch.Tensor, P: int) -> torch.Tensor | None:
+                          first: torch.Tensor, owner: torch.Tensor, P: int,
+                          lockstep: bool = False) -> torch.Tensor | None:
     def cache_forward(ids, mask, pos, cache):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1,
                      use_cache=True).past_key_values
@@ -285,7 +306,7 @@ def _cached_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.
 
     return on_shared_prefixes(cache_forward, suffix_logits, sequences[first, :P - 1], attention_mask[first, :P - 1],
                               owner, sequences[:, P - 1:], attention_mask[:, P - 1:],
-                              response_lengths(attention_mask[:, P:]), response_len)
+                              response_lengths(attention_mask[:, P:]), response_len, lockstep)
 
 
 def shared_prefix_split(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

@@ -8,15 +8,19 @@ Token ``k`` of ``y_j`` attends to the prompt ``x`` and to ``y_j[:k]`` only (the 
 it has in its own row (``|x| + k``), so its hidden states, and the logits, are those of the row up to float
 rounding. The logit that scores ``y_j[0]`` is the prompt's last position, shared by the group; ``y_j[k]`` is
 scored at ``y_j[k - 1]``. A response's last token scores nothing and is not fed. So a group costs
-``|x| + sum_j (|y_j| - 1)`` positions, padded to the widest group, in one pass with no KV cache to index:
-on the demo's micro-batches (G = 4, prompts of 9-11 tokens, responses of 2-8, CPU) 0.65x the training forward
-and backward time of ``generation.shared_prefix_logits`` (the prompt's cache indexed out to length buckets) and
-0.60x a forward alone; on a GPU at 1B scale 0.63-0.94x (rows of 190-2586 tokens).
+``|x| + sum_j (|y_j| - 1)`` positions (:func:`packed_width`), padded to the widest group, in one pass with no KV
+cache to index, against ``generation.shared_prefix_logits`` (the prompt's cache indexed out to length buckets)
+and the plain forward: timings in docs/benchmarks.md (the demo's on CPU in docs/rlhf.md).
 
 The mask is a dense ``[U, 1, W, W]`` boolean for ``scaled_dot_product_attention`` (transformers passes a 4D mask
-through as is): only models running ``attn_implementation="sdpa"`` are packed, and only up to
+through as is), and it is all that decides what a token sees only where every layer attends to all earlier
+positions: models running ``attn_implementation="sdpa"`` with no sliding window and no convolutional or
+recurrent layer are packed (:func:`supports_packing`; a window counts columns, which packing moves, and a
+convolution or recurrence runs along the packed row across the responses). Rows are packed only up to
 ``PACK_MAX_WIDTH`` columns, beyond which attention over the packed row (quadratic in its width) outgrows what
-padding costs. Otherwise the caller falls back to the shared-prefix cache.
+padding costs; the caller checks :func:`packed_width` before :func:`pack_groups` builds the mask. Otherwise the
+caller falls back to the shared-prefix cache, or to plain forwards where the model cannot share it
+(``prefix_cache.supports_prefix_cache``).
 """
 
 from __future__ import annotations
@@ -25,11 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.prefix_cache import response_lengths
+from rlhf_core.prefix_cache import model_config, recurrent_layers, refused, response_lengths, windowed_attention
 
-# Attention over a packed row grows with its width squared. Measured on an H200 in bf16 (a 953M Llama shape,
-# docs/benchmarks.md): packed rows of 190-2586 tokens took 0.47-0.61x the plain forward's time against 0.61-0.98x
-# for the shared cache; rows of 4537 and 7972 tokens 0.70x and 0.63x against 0.64x and 0.54x.
+# Attention over a packed row grows with its width squared: the widest row packed, where packing stopped paying
+# against the shared cache (docs/benchmarks.md, "Packed groups on a GPU, and where packing stops paying").
 PACK_MAX_WIDTH = 2560
 
 
@@ -50,14 +53,34 @@ class PackedGroups:
         return self.input_ids.shape[1]
 
 
+def _sdpa(config) -> str | None:
+    attn = getattr(config, "_attn_implementation", None)
+    return None if attn == "sdpa" else f"attention {attn}, not sdpa"
+
+
 def supports_packing(model) -> bool:
-    """True when ``model`` (an HF model, or a wrapper exposing it as ``.module``) attends with SDPA."""
-    for _ in range(4):
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            return config._attn_implementation == "sdpa"
-        model = getattr(model, "module", None)
-    return False
+    """True when ``model`` (an HF model, or a wrapper exposing it as ``.module``) attends with SDPA and every layer
+    to all earlier positions (no window: ``prefix_cache.windowed_attention``; no convolution or recurrence:
+    ``prefix_cache.recurrent_layers``); a refusal is logged once. False without a config."""
+    return model_config(model) is not None and not refused(
+        model, "group packing", "the groups share the prompt's cache or go through whole", _sdpa,
+        recurrent_layers, windowed_attention)
+
+
+def _group_sizes(attention_mask: torch.Tensor, response_len: int, first: torch.Tensor, owner: torch.Tensor):
+    """``(prompt_len [U], lengths [B], fed [B], width [U])``: each run's prompt length, each row's response length
+    and the tokens it feeds (all but its last), each run's packed width ``|x| + sum_j fed_j``."""
+    P = attention_mask.shape[1] - response_len
+    prompt_len = attention_mask[first, :P].sum(dim=1)
+    lengths = response_lengths(attention_mask[:, P:])
+    fed = (lengths - 1).clamp(min=0)
+    return prompt_len, lengths, fed, prompt_len + torch.zeros_like(prompt_len).index_add(0, owner, fed)
+
+
+def packed_width(attention_mask: torch.Tensor, response_len: int, first: torch.Tensor, owner: torch.Tensor) -> int:
+    """``W``, the width of :func:`pack_groups`' rows (the widest run's ``|x| + sum_j (|y_j| - 1)``), from the mask
+    alone: compare it with ``PACK_MAX_WIDTH`` before the ``[U, 1, W, W]`` mask is built."""
+    return int(_group_sizes(attention_mask, response_len, first, owner)[3].max())
 
 
 def pack_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int, first: torch.Tensor,
@@ -65,19 +88,17 @@ def pack_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, response_
     """Pack rows ``[B, P + R]`` (prompts left-padded to ``P`` columns, responses right-padded to ``R``) whose runs
     share a prompt (``first``: each run's first row; ``owner``: each row's run, as
     ``generation.shared_prefix_split`` gives them) into one row per run, prompt first, then each row's response
-    but its last token (padding: token 0, attending to itself only)."""
+    but its last token (padding: token 0, attending to itself only). The mask takes ``U W^2`` bytes: check
+    :func:`packed_width` first."""
     B, T = sequences.shape
     R, dev = response_len, sequences.device
     P = T - R
-    prompt_len = attention_mask[first, :P].sum(dim=1)  # [U]
+    prompt_len, lengths, fed, width = _group_sizes(attention_mask, R, first, owner)
     cols = torch.arange(P, device=dev)
     shift = (cols[None, :] + (P - prompt_len)[:, None]).clamp(max=P - 1)
     prompts = sequences[first, :P].gather(1, shift)  # each prompt's real tokens from column 0
-    lengths = response_lengths(attention_mask[:, P:])  # [B]
-    fed = (lengths - 1).clamp(min=0)  # tokens each row feeds: all but its last
     before = fed.cumsum(0) - fed
     start = prompt_len[owner] + before - before[first][owner]  # [B] column of each row's first fed token
-    width = prompt_len + torch.zeros_like(prompt_len).index_add(0, owner, fed)
     U, W = len(prompt_len), int(width.max())
 
     wcols = torch.arange(W, device=dev)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhf_core.prefix_cache import common_head, length_buckets, position_ids, prefix_cache, response_lengths
@@ -156,3 +157,44 @@ def test_responses_bucketed_by_length_give_the_full_forwards_logits_values_and_g
         scores = critic.shared_prefix_scores(prompts, pmask, group, responses, att[:, -4:])
         assert calls == [(1, 3), (2, 3), (5, 1), (1, 4)]  # the RM's prefix is the whole prompt
         torch.testing.assert_close(scores, critic(seq, att).scores, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["sliding_window", "conv_layer"])
+def test_models_whose_cache_cannot_be_shared_run_the_full_rows(arch):
+    """A sliding window counts columns, which the head-first re-layout moves; an LFM2's convolution state
+    cannot be indexed by rows (its cache fallback crashed in ``batch_select_indices``). The actor's log-prob
+    pass, the critic's values and the RM's scores of such models run the full rows and equal the plain forward;
+    the rollout's shared prefill is kept for the window (a windowed KV cache repeats to rows) and dropped for
+    the convolution (its state cannot be repeated)."""
+    from rlhf_core.generation import prefilled_cache, response_logits, response_mask
+    from rlhf_core.models.value_head import ValueHeadModel
+    from rlhf_core.trainers.rlhf.experience import sequence_values
+    from tests.tiny import tiny_lm
+
+    model = tiny_lm(arch)
+    prompts = torch.tensor([[PAD, 1, 7, 8, 5, 6], [1, 7, 8, 9, 3, 6]])
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    responses = torch.tensor([[EOS, PAD, PAD, PAD], [4, 5, 6, EOS], [9, EOS, PAD, PAD],
+                              [3, 3, EOS, PAD], [EOS, PAD, PAD, PAD], [5, 6, 7, 8]])
+    seq = torch.cat([prompts[group], responses], dim=1)
+    att = torch.cat([(prompts[group] != PAD).long(), response_mask(responses, EOS)], dim=1)
+    m = att[:, -4:].bool()
+    calls = []
+    model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                          with_kwargs=True)
+
+    shared = response_logits(model, seq, att, 4, group=group)
+    assert calls == [(6, 9)]
+    torch.testing.assert_close(shared[m], response_logits(model, seq, att, 4)[m], atol=1e-5, rtol=1e-5)
+
+    critic = ValueHeadModel(model.model)
+    calls.clear()
+    values = sequence_values(critic, seq, att, 4, group)
+    assert calls == [(6, 9)]
+    torch.testing.assert_close(values[m], sequence_values(critic, seq, att, 4)[m], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        assert critic.shared_prefix_scores(prompts, (prompts != PAD).long(), group, responses, att[:, -4:]) is None
+
+    with torch.no_grad():
+        cache = prefilled_cache(model, prompts[group], (prompts[group] != PAD).long(), 3)
+    assert (cache is None) == (arch == "conv_layer")

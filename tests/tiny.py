@@ -33,3 +33,32 @@ def reseal_prepared(root, *names: str) -> None:
     for name in names:
         data["hashes"][name] = file_sha256(manifest.parent / name)
     manifest.write_text(json.dumps(data))
+
+
+def tiny_lm(arch: str = "llama", attn: str = "sdpa", kv_heads: int = 2, init_std: float = 0.2):
+    """A random 2-layer 32-wide causal LM over 16 tokens (pad 0, BOS 1, EOS 2), built from its config (no
+    download): ``llama``; ``sliding_window``, a Mistral whose layers see 4 tokens back; ``full_window``, the
+    same Mistral without a window; ``conv_layer``, an LFM2 whose first layer is a short convolution. A wide
+    ``init_std`` makes the outputs depend on every token they see (not only on the last)."""
+    import torch
+    from transformers import (
+        Lfm2Config,
+        Lfm2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
+
+    shape = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": kv_heads, "max_position_embeddings": 64,
+             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "initializer_range": init_std}
+    config, cls = {
+        "llama": lambda: (LlamaConfig(**shape), LlamaForCausalLM),
+        "sliding_window": lambda: (MistralConfig(sliding_window=4, **shape), MistralForCausalLM),
+        "full_window": lambda: (MistralConfig(sliding_window=None, **shape), MistralForCausalLM),
+        "conv_layer": lambda: (Lfm2Config(layer_types=["conv", "full_attention"], **shape), Lfm2ForCausalLM),
+    }[arch]()
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return cls(config)

@@ -93,7 +93,7 @@ def run(args) -> list[dict]:
 
     from rlhf_core import generation
     from rlhf_core.generation import response_logprobs, shared_prefix_split
-    from rlhf_core.group_packing import pack_groups
+    from rlhf_core.group_packing import packed_width
     from rlhf_core.models.value_head import ValueHeadModel
     from rlhf_core.trainers.rlhf.experience import sequence_values
 
@@ -124,7 +124,7 @@ def run(args) -> list[dict]:
     first, owner, _ = shared_prefix_split(seq, att, R, group)
     if args.pack_max_width:
         generation.PACK_MAX_WIDTH = args.pack_max_width
-    packed_width = pack_groups(seq, att, R, first, owner).width
+    width = packed_width(att, R, first, owner)
 
     @torch.no_grad()
     def rm_plain():
@@ -141,7 +141,7 @@ def run(args) -> list[dict]:
     return [head | _compare("actor fwd+bwd", lambda: actor_pass(None), lambda: actor_pass(group), actor, device,
                             args.repeats),
             head | _compare("actor fwd+bwd packed", lambda: actor_pass(None), lambda: actor_pass(group, True), actor,
-                            device, args.repeats) | {"packed_width": packed_width},
+                            device, args.repeats) | {"packed_width": width},
             head | _compare("critic fwd+bwd", lambda: critic_pass(None), lambda: critic_pass(group), critic, device,
                             args.repeats),
             head | _compare("rm score", rm_plain, rm_shared, None, device, args.repeats)]

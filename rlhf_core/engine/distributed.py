@@ -118,6 +118,36 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return t.cpu()
 
 
+def all_agree(*flags: bool) -> tuple[bool, ...]:
+    """Each flag True only where it is True on every rank (a MIN all-reduce; as given in a world of one)."""
+    t = torch.tensor(flags, dtype=torch.int64)
+    if world_size() > 1:
+        t = t.to(device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return tuple(bool(v) for v in t.tolist())
+
+
+def all_max(value: int) -> int:
+    """The largest ``value`` over ranks (as given in a world of one)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def forwards_in_lockstep(model) -> bool:
+    """True when every rank must make the same forward passes through ``model`` (or the module it wraps as
+    ``.module``): several ranks and its parameters partitioned by ZeRO-3, whose every forward all-gathers them
+    (a rank that runs one pass more than the others waits for them forever)."""
+    for _ in range(4):
+        if hasattr(model, "parameters"):
+            param = next(iter(model.parameters()), None)
+            return world_size() > 1 and param is not None and hasattr(param, "ds_id")
+        model = getattr(model, "module", None)
+    return False
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if world_size() == 1:
         return obj

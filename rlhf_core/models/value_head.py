@@ -22,7 +22,7 @@ from torch import nn
 
 from rlhf_core.algos import gather_last
 from rlhf_core.prefix_cache import position_ids as positions_from_mask
-from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths
+from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
 
 @contextlib.contextmanager
 def _full(param: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -103,9 +103,12 @@ class ValueHeadModel(nn.Module):
         suffix lengths (``prefix_cache.length_buckets``) their KV cache is indexed out to the bucket's rows and
         the suffixes, cut to the bucket's width, attend to it with the positions and attention mask of the full
         rows, so the scores are those of ``forward`` over the full rows, up to float rounding, for at most
-        ``U x P + B x S`` positions instead of ``B x (P + S)``. None when the backbone returns no KV cache that can be indexed (a remote-code model):
-        score the full rows instead.
+        ``U x P + B x S`` positions instead of ``B x (P + S)``. None when the backbone's cache cannot be shared
+        (``prefix_cache.supports_prefix_cache``: a sliding window, a convolutional or recurrent layer) or returns
+        no KV cache that can be indexed (a remote-code model): score the full rows instead.
         """
+        if not supports_prefix_cache(self):
+            return None
         def cache_forward(ids, mask, pos, cache):
             return self.forward(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
 

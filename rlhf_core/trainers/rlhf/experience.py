@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.algos import kl_estimate
+from rlhf_core.engine import distributed as D
 from rlhf_core.generation import (
     GenerationConfig,
     PromptResponseBatch,
@@ -44,7 +45,7 @@ from rlhf_core.generation import (
     rollout,
     shared_prefix_split,
 )
-from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths
+from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
 
 
 # --------------------------------------------------------------------------- the critic's forward
@@ -56,11 +57,16 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
     ``group`` (rows of one prompt consecutive): each prompt but its last token goes through the critic once and
     its KV cache is indexed out to its rows per bucket of response lengths, as the actor's log-prob pass does
     (``generation.shared_prefix_logits``); the same values and gradients at the masked-in positions up to float
-    rounding, 0 past a row's bucket width.
+    rounding, 0 past a row's bucket width. Models that cannot share the cache (``supports_prefix_cache``), and
+    under ZeRO-3 over several ranks all ranks unless every one can, run the full rows.
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
+    shares = split is not None and supports_prefix_cache(critic)
+    lockstep = D.forwards_in_lockstep(critic)
+    if lockstep:
+        (shares,) = D.all_agree(shares)
     values = None
-    if split is not None:
+    if shares:
         first, owner, P = split
 
         def cache_forward(ids, mask, pos, cache):
@@ -71,7 +77,8 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
 
         values = on_shared_prefixes(cache_forward, suffix_values, sequences[first, :P - 1],
                                     attention_mask[first, :P - 1], owner, sequences[:, P - 1:],
-                                    attention_mask[:, P - 1:], response_lengths(attention_mask[:, P:]), response_len)
+                                    attention_mask[:, P - 1:], response_lengths(attention_mask[:, P:]), response_len,
+                                    lockstep)
     if values is None:
         mask = attention_mask[:, :-1]
         values = critic(sequences[:, :-1], mask, position_ids(mask)).values[:, -response_len:]
@@ -213,8 +220,19 @@ class MakerConfig:
     checker: str = "exact"  # eval.checker: judges the samples (logged, never the reward)
 
 
-def _batched(fn, n: int, batch: int):
-    return torch.cat([fn(slice(i, i + batch)) for i in range(0, n, batch)]) if n else None
+def batched(fn, n: int, batch: int, lockstep: bool = False):
+    """``fn(slice)`` over rows ``0..n`` in slices of ``batch``, concatenated; None without rows. ``lockstep``
+    (ZeRO-3 over several ranks, ``distributed.forwards_in_lockstep``): as many slices as the rank with the
+    most rows makes (rows dropped as empty or uniform differ per rank), the slices past this rank's rows run
+    its last row again and drop the output, so every rank makes the same forward passes."""
+    slices = -(-n // batch)
+    if lockstep:
+        slices = D.all_max(slices)
+    if not n:
+        return None
+    parts = [fn(slice(i * batch, (i + 1) * batch)) if i * batch < n else fn(slice(n - 1, n))[:0]
+             for i in range(slices)]
+    return torch.cat(parts)
 
 
 class ExperienceMaker:
@@ -305,13 +323,15 @@ class ExperienceMaker:
                                      pack=cfg.pack_groups)
 
         if cfg.need_old_logp and exp.old_logp is None:  # not recorded while sampling
-            out["old_logp"] = _batched(lambda s: logprobs(self.actor, s).float(), len(exp), bs)
+            out["old_logp"] = batched(lambda s: logprobs(self.actor, s).float(), len(exp), bs,
+                                      D.forwards_in_lockstep(self.actor))
         if cfg.need_ref:
-            out["ref_logp"] = _batched(lambda s: logprobs(self.ref, s).float(), len(exp), bs)
+            out["ref_logp"] = batched(lambda s: logprobs(self.ref, s).float(), len(exp), bs,
+                                      D.forwards_in_lockstep(self.ref))
         if cfg.need_values:
-            out["values"] = _batched(lambda s: sequence_values(self.critic, seq[s], att[s], R,
-                                                               group[s] if group is not None else None).float(),
-                                     len(exp), bs)
+            out["values"] = batched(lambda s: sequence_values(self.critic, seq[s], att[s], R,
+                                                              group[s] if group is not None else None).float(),
+                                    len(exp), bs, D.forwards_in_lockstep(self.critic))
         return out
 
     def _forward_passes(self, exp: Experience) -> None:
