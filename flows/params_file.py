@@ -1,8 +1,9 @@
 """The pipeline's params file: a profile put in place, and ``-S key.path=value`` overrides applied to it.
 
 DVC's stages read ``params.yaml`` (it tracks their params there), so a run with another profile
-(``rlhf run -p configs/smollm2.yaml``, a deployment's ``params_file``) first writes that profile over
-``params.yaml``, as ``dvc exp run`` edits it; ``git checkout params.yaml`` brings the demo profile back.
+(``rlhf run -p configs/smollm2.yaml``, a deployment's ``params_file``) first writes that profile, with every
+key filled in, over ``params.yaml``, as ``dvc exp run`` edits it; ``git checkout params.yaml`` brings the demo
+profile back.
 Overrides keep comments and key order (ruamel round trip). Both are validated before anything is written,
 so a bad profile or override never reaches the file.
 """
@@ -12,25 +13,35 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import yaml
 from ruamel.yaml import YAML
 
 from rlhf_core.config import DEFAULT_PARAMS, apply_overrides, load_params, parse_override, validate
 
 
 def use_profile(root: str | Path, profile: str | Path) -> bool:
-    """Write ``profile`` (relative to ``root``) over ``root/params.yaml`` when it is another file with other
-    contents; returns whether it did. A missing or invalid profile is an error naming it."""
+    """Write ``profile`` (relative to ``root``) over ``root/params.yaml`` when it is another file, every key filled
+    in (DVC refuses a stage whose params are missing from the file, and a profile lists only what it changes);
+    returns whether ``params.yaml`` changed. A missing or invalid profile is an error naming it."""
     root = Path(root)
     src, dst = root / profile, root / DEFAULT_PARAMS
     if not src.is_file():
         raise FileNotFoundError(f"params file {src} not found")
-    load_params(src)  # ConfigError names the file and key
-    if dst.exists() and (src.resolve() == dst.resolve() or src.read_bytes() == dst.read_bytes()):
+    if dst.exists() and src.resolve() == dst.resolve():
+        return False
+    full = load_params(src).model_dump(mode="json")  # ConfigError names the file and key
+    text = (f"# Written from {Path(profile).as_posix()} by `rlhf run -p` (every key filled in with its default): edit "
+            "the profile, not this file.\n" + yaml_dump(full))
+    if dst.exists() and dst.read_text() == text:
         return False
     tmp = dst.with_name(f".{dst.name}.tmp")
-    tmp.write_bytes(src.read_bytes())
+    tmp.write_text(text)
     tmp.replace(dst)
     return True
+
+
+def yaml_dump(data: dict) -> str:
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 def set_params(path: str | Path, overrides: list[str]) -> None:
