@@ -329,10 +329,9 @@ class RLHFConfig(OptimConfig):
                           "training forward pack each group's responses after its prompt in one row under a "
                           "block-causal mask (`rlhf_core/group_packing.py`: no padding between responses, one "
                           "pass, no KV cache to index; same logits and gradients up to float rounding). Only "
-                          "for models with `attn_implementation` sdpa and packed rows of at most 2560 tokens; "
-                          "otherwise, and for the critic, the prompt's KV cache is shared. On the demo 0.65x "
-                          "the training forward and backward time of the shared cache, on a GPU at 1B scale "
-                          "0.63-0.94x (docs/benchmarks.md).")
+                          "for models with `attn_implementation` sdpa whose every layer is full attention, and "
+                          "packed rows of at most `group_packing.PACK_MAX_WIDTH` tokens; otherwise, and for the "
+                          "critic, the prompt's KV cache is shared (docs/rlhf.md; timings: docs/benchmarks.md).")
     rollout_logprobs: Literal["generation", "recompute"] = Field(
         "generation", description="Where the rollout policy's log-probs (PPO's old log-probs) come from: "
                                   "`generation` records them while sampling (no second forward pass; equal to the "

@@ -23,9 +23,8 @@ from rlhf_core.models.value_head import ValueHeadModel
 
 
 # Scoring with shared prompts runs two forwards (prompts, then responses on their cache); it is used when it
-# computes at most this share of the plain forward's (padded) positions. Measured (python -m
-# rlhf_core.bench.shared_prefix): ~0.4-0.6x the time where it computes 0.3-0.4 of the positions (H200, bf16, a
-# 1B model, 512-token prompts), 1.18x where it computes 0.85 of them (128-token prompts, 512-token responses).
+# computes at most this share of the plain forward's (padded) positions (how it was set, with the measurements
+# of `python -m rlhf_core.bench.shared_prefix`: docs/benchmarks.md).
 SHARED_PREFIX_MAX_COST = 0.75
 
 
