@@ -62,11 +62,9 @@ def test_packed_rows_by_hand():
     assert m[0, 2].tolist() == [T, T, T, F, F, F, F]  # the prompt is causal
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
-def test_packed_logits_and_gradients_are_the_full_forwards_in_one_pass(kv_heads):
-    seq, att = _rows()
-    model = _tiny_lm(kv_heads=kv_heads)
-    m = att[:, -3:].bool()
+def _recorded_runner(model, seq, att, m, objective, temperature: float = 1.0):
+    """``run(group, pack) -> (logits, grads)`` over the response logits, and the list of the model's call shapes
+    (input_ids) of the last run."""
     calls = []
     model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
                                           with_kwargs=True)
@@ -74,9 +72,19 @@ def test_packed_logits_and_gradients_are_the_full_forwards_in_one_pass(kv_heads)
     def run(group, pack):
         model.zero_grad()
         calls.clear()
-        logits = response_logits(model, seq, att, 3, temperature=0.7, group=group, pack=pack)
-        (logits * m[..., None]).sum().backward()
+        logits = response_logits(model, seq, att, 3, temperature=temperature, group=group, pack=pack)
+        (objective(logits) * m[..., None]).sum().backward()
         return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    return run, calls
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
+def test_packed_logits_and_gradients_are_the_full_forwards_in_one_pass(kv_heads):
+    seq, att = _rows()
+    model = _tiny_lm(kv_heads=kv_heads)
+    m = att[:, -3:].bool()
+    run, calls = _recorded_runner(model, seq, att, m, lambda x: x, temperature=0.7)
 
     full, full_grads = run(None, False)
     packed, packed_grads = run(GROUP, True)
@@ -143,16 +151,7 @@ def test_models_that_do_more_than_attend_get_the_plain_forward_and_say_so_once(a
     seq, att = _rows()
     model = tiny_lm(arch)
     m = att[:, -3:].bool()
-    calls = []
-    model.model.register_forward_pre_hook(lambda mod, a, kw: calls.append(tuple(kw["input_ids"].shape)),
-                                          with_kwargs=True)
-
-    def run(group, pack):
-        model.zero_grad()
-        calls.clear()
-        logits = response_logits(model, seq, att, 3, group=group, pack=pack)
-        (logits.log_softmax(-1) * m[..., None]).sum().backward()
-        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+    run, calls = _recorded_runner(model, seq, att, m, lambda x: x.log_softmax(-1))
 
     full, full_grads = run(None, False)
     for pack in (True, True, False):
