@@ -92,7 +92,7 @@ def run_cmd(
     """
     if rounds and stages:
         fail("--rounds runs every stage of each round; it takes no --stage")
-    if not Path(params_file).is_file():
+    if params_file != DEFAULT_PARAMS and not Path(params_file).is_file():  # no params.yaml: every default
         fail(f"params file {params_file} not found")
     params, ensure_dvc = _prepare_environment(Path(params_file))
     from rlhf_core.tracking import TrackingUnavailable, check_reachable, tracking_uri

@@ -25,10 +25,10 @@ def use_profile(root: str | Path, profile: str | Path) -> bool:
     returns whether ``params.yaml`` changed. A missing or invalid profile is an error naming it."""
     root = Path(root)
     src, dst = root / profile, root / DEFAULT_PARAMS
+    if src.resolve() == dst.resolve():  # params.yaml itself (missing: every default)
+        return False
     if not src.is_file():
         raise FileNotFoundError(f"params file {src} not found")
-    if dst.exists() and src.resolve() == dst.resolve():
-        return False
     full = load_params(src).model_dump(mode="json")  # ConfigError names the file and key
     text = (f"# Written from {Path(profile).as_posix()} by `rlhf run -p` (every key filled in with its default): edit "
             "the profile, not this file.\n" + yaml_dump(full))

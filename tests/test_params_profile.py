@@ -22,6 +22,8 @@ def test_profile_is_written_with_every_key(tmp_path):
     assert load_params(tmp_path / "params.yaml") == load_params(tmp_path / "configs/p.yaml")
     assert not use_profile(tmp_path, "configs/p.yaml")  # unchanged: not rewritten
     assert not use_profile(tmp_path, "params.yaml")  # the params file itself
+    (tmp_path / "params.yaml").unlink()
+    assert not use_profile(tmp_path, "params.yaml")  # missing: every default, as load_params reads it
 
 
 def test_every_shipped_profile_declares_what_dvc_reads(tmp_path):

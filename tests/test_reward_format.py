@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -112,7 +113,16 @@ def test_saved_rm_is_a_sequence_classifier_that_hf_loads_with_our_scores(tmp_pat
                                    rtol=1e-5)
 
 
-def test_trl_grpo_trainer_takes_our_saved_rm_as_its_reward_function(tmp_path):
+@pytest.fixture
+def restored_environ():
+    """accelerate's state (built by TRL's trainer in this process) writes RANK, WORLD_SIZE, LOCAL_RANK and
+    MASTER_PORT into os.environ; left there they reach every later subprocess of the test worker, whose
+    DeepSpeed then takes them for a launcher's and looks for MPI."""
+    with mock.patch.dict(os.environ):
+        yield
+
+
+def test_trl_grpo_trainer_takes_our_saved_rm_as_its_reward_function(tmp_path, restored_environ):
     """TRL's GRPOTrainer, given our RM directory as ``reward_funcs``, loads it (AutoModelForSequenceClassification,
     num_labels=1, its tokenizer from the directory) and its reward pass gives our scorer's scores."""
     pytest.importorskip("trl")
