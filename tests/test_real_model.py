@@ -38,7 +38,7 @@ def run(project: Path, *args: str) -> subprocess.CompletedProcess:
     for key in ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI"):  # the embedded default
         env.pop(key, None)
     return subprocess.run([sys.executable, "-m", *args], cwd=project, env=env, capture_output=True, text=True,
-                          timeout=1500)
+                          timeout=3000)  # the whole flow on a real model: ~18 min beside other work on 2 cores
 
 
 @pytest.fixture(scope="module")
