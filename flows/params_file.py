@@ -31,17 +31,13 @@ def use_profile(root: str | Path, profile: str | Path) -> bool:
         raise FileNotFoundError(f"params file {src} not found")
     full = load_params(src).model_dump(mode="json")  # ConfigError names the file and key
     text = (f"# Written from {Path(profile).as_posix()} by `rlhf run -p` (every key filled in with its default): edit "
-            "the profile, not this file.\n" + yaml_dump(full))
+            "the profile, not this file.\n" + yaml.safe_dump(full, sort_keys=False, allow_unicode=True))
     if dst.exists() and dst.read_text() == text:
         return False
     tmp = dst.with_name(f".{dst.name}.tmp")
     tmp.write_text(text)
     tmp.replace(dst)
     return True
-
-
-def yaml_dump(data: dict) -> str:
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 def set_params(path: str | Path, overrides: list[str]) -> None:

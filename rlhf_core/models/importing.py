@@ -120,9 +120,10 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
-def import_base_model(name: str, directory: str | Path, tokenizer, trust_remote_code: bool = False) -> dict:
+def import_base_model(name: str, directory: str | Path, tokenizer,
+                      trust_remote_code: bool = False) -> tuple[torch.nn.Module, dict]:
     """Write the model at ``name`` into ``directory`` (``save_pretrained``, safetensors) with ``tokenizer``'s
-    special ids in its configs; returns what the import found, for ``rlhf_meta.json``."""
+    special ids in its configs; returns the model as saved and what the import found, for ``rlhf_meta.json``."""
     source = locate(name)
     model = load_source_model(source, trust_remote_code)
     for cfg in (model.config, model.generation_config):
@@ -132,5 +133,5 @@ def import_base_model(name: str, directory: str | Path, tokenizer, trust_remote_
     model.config.use_cache = True
     model.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
-    return {"model": name, "model_kind": source.kind, "architecture": type(model).__name__,
+    return model, {"model": name, "model_kind": source.kind, "architecture": type(model).__name__,
             "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype)}

@@ -197,16 +197,15 @@ def build_tokenizer(params: Params, raw: dict[str, list]) -> Any:
     return train_demo_tokenizer(corpus, params.model.tiny.vocab_size)
 
 
-def _base_negatives(params: Params, base_dir: Path, tok, train: list[dict], evals: list[dict]) -> dict:
+def _base_negatives(params: Params, model, tok, train: list[dict], evals: list[dict]) -> dict:
     """The arithmetic pairs' rejected answers from the imported base model's own samples
     (``data.base_negatives`` training pairs, and the same share of the held-out pairs); returns the counts."""
-    from transformers import AutoModelForCausalLM
-
     from rlhf_core.data.base_negatives import replace_with_base_errors
 
     a = params.data.arithmetic
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), use_safetensors=True,
-                                                 attn_implementation=params.compute.attn_implementation)
+    if model is None:
+        raise DataError(f"data.arithmetic.base_negatives: {a.base_negatives} pairs sample the base model, but "
+                        "model.name_or_path is null (no model is imported); set it or base_negatives: 0")
     n_eval = round(len(evals) * min(1.0, a.base_negatives / max(1, len(train))))
     out = {}
     for name, rows in (("pairs", train[:a.base_negatives]), ("eval_pairs", evals[:n_eval])):
@@ -270,16 +269,18 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
         (tmp / "prepared").mkdir()
         tok.save_pretrained(tmp / "base")
         base_meta: dict[str, Any] = {"tokenizer_source": source_tokenizer_path(params.model) or "trained:demo"}
+        base_model = None
         if params.model.name_or_path is None:
             config = tiny_model_config(tok, params.model.tiny)
             config.save_pretrained(tmp / "base")
             base_meta["model"] = "tiny-llama (initialised by later stages from config.json)"
         else:
-            base_meta |= import_base_model(params.model.name_or_path, tmp / "base", tok,
-                                           params.model.trust_remote_code)
+            base_model, info = import_base_model(params.model.name_or_path, tmp / "base", tok,
+                                                 params.model.trust_remote_code)
+            base_meta |= info
         negatives = None
         if params.data.source == "arithmetic" and params.data.arithmetic.base_negatives:
-            negatives = _base_negatives(params, tmp / "base", tok, outputs["pairs"], outputs["eval_pairs"])
+            negatives = _base_negatives(params, base_model, tok, outputs["pairs"], outputs["eval_pairs"])
         hashes = {}
         for name, rows in outputs.items():
             phase = name.removeprefix("eval_")
