@@ -10,8 +10,10 @@ Our processes load ops inside ``op_build_guard`` (never around a collective: a r
 the ranks waiting for it): an ``flock`` on ``<extensions dir>/.rlhf-ops.lock``, so the
 holder knows that no other rlhf-ops process is inside torch's lock. A ``lock`` it still finds is then either
 stale or held by a process outside rlhf-ops (another project sharing ``~/.cache/torch_extensions``). torch's
-holder keeps the file open until it removes it, so: when ``/proc`` shows that no process has it open, it is
-stale and removed at once; when a process has it open, the guard waits for it; when ``/proc`` cannot tell (no
+holder keeps the file open until it removes it, so: when ``/proc`` shows that no process has it open, and
+still none a moment later (``CLOSE_TO_REMOVE_S``: torch's holder closes the file before it removes it, and
+removing it in between would make the holder's own ``os.remove`` fail), it is stale and removed; when a
+process has it open, the guard waits for it; when ``/proc`` cannot tell (no
 ``/proc``, or a process of the lock owner's user whose descriptors it may not read), the guard waits until the
 file is ``stale_after_s`` old (longer than a build) and then removes it. Each removal is named on stderr. The
 kernel drops an ``flock`` with its process, so the guard itself never goes stale.
@@ -29,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 STALE_AFTER_S = 180.0
+CLOSE_TO_REMOVE_S = 1.0
 GUARD_FILE = ".rlhf-ops.lock"
 
 
@@ -60,32 +63,35 @@ def open_by_a_process(path: Path, proc: Path = Path("/proc")) -> bool | None:
 
 
 def clear_stale_build_locks(root: Path, stale_after_s: float = STALE_AFTER_S, poll_s: float = 1.0,
-                            proc: Path = Path("/proc")) -> list[Path]:
-    """Wait for each ``root/*/lock`` to go away; remove one that no process has open, or (when that cannot be
-    told) one ``stale_after_s`` old. Returns those removed.
+                            proc: Path = Path("/proc"), close_to_remove_s: float = CLOSE_TO_REMOVE_S) -> list[Path]:
+    """Wait for each ``root/*/lock`` to go away; remove one that no process has had open for
+    ``close_to_remove_s``, or (when that cannot be told) one ``stale_after_s`` old that none was seen to have
+    open for ``close_to_remove_s``. Returns those removed.
 
     Call only while holding the guard: then no rlhf-ops process is inside these locks."""
     removed = []
     for lock in sorted(root.glob("*/lock")):
-        said = False
+        said, unopened_since = False, None
         while True:
             try:
                 age = time.time() - lock.stat().st_mtime
             except FileNotFoundError:
                 break
             held = open_by_a_process(lock, proc)
-            if held is False or (held is None and age >= stale_after_s):
+            unopened_since = None if held else (unopened_since or time.monotonic())
+            settled = unopened_since is not None and time.monotonic() - unopened_since >= close_to_remove_s
+            if settled and (held is False or age >= stale_after_s):
                 lock.unlink(missing_ok=True)
                 removed.append(lock)
                 why = "no process has it open" if held is False else f"untouched for {age:.0f} s"
                 print(f"{lock}: removed a build lock left by a process killed while it loaded a compiled op "
                       f"({why})", file=sys.stderr, flush=True)
                 break
-            if not said:
+            if not said and (held or (held is None and age < stale_after_s)):
                 print(f"{lock}: waiting for another process to finish building this op", file=sys.stderr,
                       flush=True)
                 said = True
-            time.sleep(poll_s)
+            time.sleep(poll_s if held else min(poll_s, close_to_remove_s))
     return removed
 
 
