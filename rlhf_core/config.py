@@ -331,7 +331,8 @@ class RLHFConfig(OptimConfig):
                           "pass, no KV cache to index; same logits and gradients up to float rounding). Only "
                           "for models with `attn_implementation` sdpa whose every layer is full attention, and "
                           "packed rows of at most `group_packing.PACK_MAX_WIDTH` tokens; otherwise, and for the "
-                          "critic, the prompt's KV cache is shared (docs/rlhf.md; timings: docs/benchmarks.md).")
+                          "critic, the prompt's KV cache is shared (docs/rlhf.md; timings: "
+                          "docs/results/benchmarks-rl-speed.md, docs/results/benchmarks-gpu-passes.md).")
     rollout_logprobs: Literal["generation", "recompute"] = Field(
         "generation", description="Where the rollout policy's log-probs (PPO's old log-probs) come from: "
                                   "`generation` records them while sampling (no second forward pass; equal to the "

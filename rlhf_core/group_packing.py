@@ -10,7 +10,8 @@ rounding. The logit that scores ``y_j[0]`` is the prompt's last position, shared
 scored at ``y_j[k - 1]``. A response's last token scores nothing and is not fed. So a group costs
 ``|x| + sum_j (|y_j| - 1)`` positions (:func:`packed_width`), padded to the widest group, in one pass with no KV
 cache to index, against ``generation.shared_prefix_logits`` (the prompt's cache indexed out to length buckets)
-and the plain forward: timings in docs/benchmarks.md (the demo's on CPU in docs/rlhf.md).
+and the plain forward: timings in docs/results/benchmarks-gpu-passes.md (the demo's on CPU in
+docs/results/benchmarks-rl-speed.md).
 
 The mask is a dense ``[U, 1, W, W]`` boolean for ``scaled_dot_product_attention`` (transformers passes a 4D mask
 through as is), and it is all that decides what a token sees only where every layer attends to all earlier
@@ -32,7 +33,8 @@ import torch
 from rlhf_core.prefix_cache import model_config, recurrent_layers, refused, response_lengths, windowed_attention
 
 # Attention over a packed row grows with its width squared: the widest row packed, where packing stopped paying
-# against the shared cache (docs/benchmarks.md, "Packed groups on a GPU, and where packing stops paying").
+# against the shared cache (docs/results/benchmarks-gpu-passes.md, "Packed groups on a GPU, and where packing stops
+# paying").
 PACK_MAX_WIDTH = 2560
 
 

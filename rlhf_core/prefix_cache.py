@@ -201,7 +201,7 @@ def select_rows(cache, rows: torch.Tensor):
 
 
 # A second bucket costs another pass through the model's layers; below this share of the positions saved it
-# costs more than it saves (the measurement that set it: docs/rlhf.md, shared prefixes).
+# costs more than it saves (the measurement that set it: docs/rlhf.md, "Length buckets where the cache is shared").
 MIN_BUCKET_SAVING = 0.25
 
 

@@ -1,6 +1,6 @@
 """MLflow wiring for stage entry points (the only place trainers' ``log`` meets MLflow).
 
-Contract (DESIGN.md): one experiment per project, one parent run per pipeline
+Contract (docs/architecture.md): one experiment per project, one parent run per pipeline
 run, one child run per stage.  A stage started by the flow finds its parent
 in ``RLHF_PARENT_RUN_ID``; started by hand it makes a standalone run.  With no
 ``MLFLOW_TRACKING_URI`` the embedded default is used: SQLite in the workspace
