@@ -242,6 +242,11 @@ class RMConfig(EpochConfig):
                                     "mean standardised score (docs/rlhf.md). Members 1.. are saved in "
                                     "`models/rm/members/<k>`, listed in `models/rm/ensemble.json`. Costs K times "
                                     "the RM training and the RM scoring in RL.")
+    parallel: int = Field(
+        0, ge=0, description="RM trainings (the ensemble members, the judge) run at once on a CPU, each in its "
+                             "own process with `compute.num_threads` threads; 0: as many as the cores allow "
+                             "(cores // num_threads); 1: one after another. A member's weights do not depend on "
+                             "it. Always one at a time under a launcher (torchrun) or on a GPU.")
     judge: bool = Field(
         False, description="Also train a judge reward model, same settings, on the held-out pairs (`eval_pairs`, "
                            "never seen by the proxy RM) into `models/judge`; its held-out accuracy is measured on "

@@ -36,6 +36,9 @@ class StopRequested(Exception):
                          "(a re-run resumes from it)")
         self.step, self.checkpoint = step, checkpoint
 
+    def __reduce__(self):  # raised in a worker process (rm.parallel), re-raised in the stage's
+        return type(self), (self.step, self.checkpoint)
+
 
 _signalled_at: float | None = None
 _grace_s: float = 0.0
@@ -71,6 +74,11 @@ def stop_requested() -> bool:
     """True on every rank once any rank got SIGTERM (one all-reduce of a scalar per call)."""
     flag = torch.tensor([1.0 if _signalled_at is not None else 0.0])
     return float(D.all_reduce_sum(flag)[0]) > 0
+
+
+def signalled() -> bool:
+    """Whether this process got SIGTERM (no collective: for a parent that forwards it to its workers)."""
+    return _signalled_at is not None
 
 
 def reset() -> None:

@@ -6,7 +6,8 @@ non-pad token; ``rm.loss: divergence``: DeepSpeed-Chat's per-token variant after
 Evaluation on ``eval_pairs`` before and after: pairwise accuracy, mean chosen / rejected score, margin.
 ``rlhf stage rm`` reads ``data/prepared/{pairs,eval_pairs}.parquet``, ``models/base`` and (``rm.init_from: sft``)
 ``models/sft``; writes ``models/rm/``, ``metrics/rm.json``, ``plots/rm_accuracy.csv``; resumable checkpoints in
-``checkpoints/rm/``. Runs in one process, or N under ``torchrun``.
+``checkpoints/rm/``. Runs in one process, or N under ``torchrun``; an ensemble's members and the judge can
+train side by side in worker processes (``rm.parallel``, ``rm_parallel.py``).
 
 With ``rm.judge`` the same trainer then fits a **judge** RM with the roles of the splits swapped: trained on
 ``eval_pairs`` (which the proxy RM never sees), evaluated on ``pairs`` (which the judge never sees), into
@@ -122,44 +123,53 @@ def member_role(k: int) -> RMRole:
 
 
 def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, hooks: Hooks | None = None) -> dict:
-    """Run reward-model training under ``root`` (and the judge with ``rm.judge``); returns the proxy RM's metrics
-    (also ``metrics/rm.json``; the judge's are in ``metrics/rm_judge.json``)."""
+    """Run reward-model training under ``root``: the proxy RM, the other ensemble members and (``rm.judge``)
+    the judge, one after another or side by side (``rm.parallel``; ``hooks``, being in-process callbacks, keep
+    them in this process). Returns the proxy RM's metrics (also ``metrics/rm.json``; the judge's are in
+    ``metrics/rm_judge.json``)."""
     from rlhf_core.config import for_round
+    from rlhf_core.trainers.rm_parallel import fit_all
 
-    metrics = fit_reward_model(for_round(params), Path(root), PROXY, log, hooks)
+    root, proxy = Path(root), for_round(params)
+    jobs = [(proxy, PROXY, "")]
+    jobs += [(member_params(proxy, k), member_role(k), f"member{k}.") for k in range(1, params.rm.ensemble)]
+    jobs += [(params, JUDGE, "judge.")] if params.rm.judge else []
+
+    def fit_one(job, job_log: LogFn | None) -> dict:
+        job_params, role, prefix = job
+        prefixed = None if job_log is None else (
+            lambda m, step: job_log({f"{prefix}{k}": v for k, v in m.items()}, step))
+        return fit_reward_model(job_params, root, role, prefixed, hooks)
+
+    results = fit_all(jobs, root, log, params.rm.parallel if hooks is None else 1, params.compute.num_threads,
+                      params.compute.stop_grace_s, fit_one)
+    metrics = results[0]
     if params.rm.ensemble > 1:
-        metrics = fit_ensemble(for_round(params), Path(root), metrics, log, hooks)
-    if params.rm.judge:
-        judge_log = None if log is None else (lambda m, step: log({f"judge.{k}": v for k, v in m.items()}, step))
-        fit_reward_model(params, Path(root), JUDGE, judge_log, hooks)
-    elif D.is_main():
+        metrics = summarise_ensemble(proxy, root, results[:params.rm.ensemble], log)
+    if not params.rm.judge and D.is_main():
         from rlhf_core.meta import write_meta_only
 
-        write_meta_only(Path(root) / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
-                                                         "reason": "rm.judge is off"})
+        write_meta_only(root / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
+                                                   "reason": "rm.judge is off"})
     return metrics
 
 
-def fit_ensemble(params: Params, root: Path, first: dict, log: LogFn | None = None,
-                 hooks: Hooks | None = None) -> dict:
-    """Members ``1..rm.ensemble-1`` beside the proxy RM (member 0), each with seed ``project.seed + k`` (its head
-    initialisation and batch order); then ``models/rm/ensemble.json`` (every member's path, and its mean and std
-    score over the held-out pairs, which standardise it in ``EnsembleScorer``) and the ensemble's held-out
-    pairwise accuracy beside the members' in ``metrics/rm.json``. Returns the updated proxy metrics.
+def member_params(params: Params, k: int) -> Params:
+    """Ensemble member ``k``'s params: seed ``project.seed + k`` (its head initialisation and batch order)."""
+    return params.model_copy(update={"project": params.project.model_copy(update={"seed": params.project.seed + k})})
+
+
+def summarise_ensemble(params: Params, root: Path, members: list[dict], log: LogFn | None = None) -> dict:
+    """``models/rm/ensemble.json`` (every member's path, and its mean and std score over the held-out pairs,
+    which standardise it in ``EnsembleScorer``) and the ensemble's held-out pairwise accuracy beside the
+    members' in ``metrics/rm.json``. Returns the updated proxy metrics (member 0's).
 
     ``ensemble_accuracy`` is not quite held out: the same pairs set each member's scale, which weighs the
     members in the mean (the centres cancel in a pairwise comparison). The members' own accuracies are."""
     from rlhf_core.atomic import write_json_atomic
     from rlhf_core.models.scorer import ENSEMBLE_FILE, EnsembleScorer
 
-    members = [first]
-    for k in range(1, params.rm.ensemble):
-        seeded = params.model_copy(update={"project": params.project.model_copy(
-            update={"seed": params.project.seed + k})})
-        member_log = None if log is None else (
-            lambda m, step, k=k: log({f"member{k}.{key}": v for key, v in m.items()}, step))
-        members.append(fit_reward_model(seeded, root, member_role(k), member_log, hooks))
-    metrics = dict(first)
+    metrics = dict(members[0])
     if D.is_main():
         spec = [{"path": str(Path(member_role(k).model_dir).relative_to(paths.RM_MODEL)) if k else ".",
                  "seed": params.project.seed + k, "accuracy": m["accuracy"],

@@ -1,0 +1,142 @@
+"""RM trainings side by side (rlhf_core/trainers/rm_parallel.py): the same weights and log rows as one after
+another, a worker's error is the stage's, SIGTERM stops every worker at a checkpoint, SIGKILL leaves no orphan."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core.engine.errors import NonFiniteLossError
+from rlhf_core.trainers import rm_parallel
+from rlhf_core.trainers.rm import train_rm
+from rlhf_core.trainers.rm_parallel import worker_count
+from tests.test_rm import TINY, tiny_params, with_sft, ws  # noqa: F401  (fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+OUTPUTS = ("models/rm", "models/rm/members/1", "models/rm/members/2", "models/judge")
+
+
+def test_worker_count_by_hand(monkeypatch):
+    monkeypatch.setattr(rm_parallel, "usable_cores", lambda: 16)
+    assert worker_count(0, 1, 8, 1, False) == 8  # 16 cores, 1 thread each, 8 jobs
+    assert worker_count(0, 4, 8, 1, False) == 4  # 16 // 4
+    assert worker_count(0, 0, 8, 1, False) == 1  # num_threads 0: each takes every core
+    assert worker_count(3, 1, 8, 1, False) == 3 and worker_count(12, 1, 8, 1, False) == 8  # asked; capped by jobs
+    assert worker_count(0, 1, 8, 2, False) == 1 and worker_count(0, 1, 8, 1, True) == 1  # torchrun; a GPU
+    assert worker_count(0, 1, 1, 1, False) == 1
+
+
+def _weights(d: Path) -> dict[str, torch.Tensor]:
+    return load_file(d / "model.safetensors")
+
+
+def test_side_by_side_trains_the_same_models_and_logs_the_same_rows(ws, tmp_path):  # noqa: F811
+    """Three members and the judge, two workers vs one after another in this process: bit-identical weights,
+    the same metrics (but time), and the same (step, key) log rows, each member's under its prefix."""
+    serial = tmp_path / "serial"
+    shutil.copytree(ws, serial)
+    run = ["rm.ensemble=3", "rm.judge=true", "rm.max_steps=6", "rm.log_every=2"]
+    rows: dict[int, list] = {1: [], 2: []}
+    got = {n: train_rm(tiny_params(*run, f"rm.parallel={n}"), root, lambda m, step, n=n: rows[n].append((step, m)))
+           for n, root in ((1, serial), (2, ws))}
+    for sub in OUTPUTS:
+        a, b = _weights(serial / sub), _weights(ws / sub)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+    timing = ("time", "per_s")
+    same = {k: v for k, v in got[1].items() if not any(t in k for t in timing)}
+    assert same == {k: got[2][k] for k in same} and got[2]["ensemble_size"] == 3
+    for name in ("rm.json", "rm_judge.json"):
+        a, b = (json.loads((r / "metrics" / name).read_text()) for r in (serial, ws))
+        assert {k: v for k, v in a.items() if not any(t in k for t in timing)} == {
+            k: v for k, v in b.items() if not any(t in k for t in timing)}, name
+
+    def keys(n):
+        return sorted({(step, k) for step, m in rows[n] for k in m if not any(t in k for t in timing)})
+
+    assert keys(1) == keys(2)
+    assert {k.split(".")[0] for _, k in keys(2) if "." in k} == {"member1", "member2", "judge"}
+    assert json.loads((ws / "models/rm/ensemble.json").read_text())["members"][2]["path"] == "members/2"
+
+
+def test_a_workers_error_is_the_stages(ws):  # noqa: F811
+    """A member that diverges raises its own NonFiniteLossError (step, value, checkpoint) in the stage's
+    process, as the serial path does, and the other workers stop."""
+    with pytest.raises(NonFiniteLossError, match="non-finite") as err:
+        train_rm(tiny_params("rm.ensemble=2", "rm.max_steps=20", "rm.lr=1e30", "rm.warmup_steps=0",
+                             "rm.parallel=2"), ws)
+    assert err.value.step >= 1 and err.value.what in ("loss", "gradient norm")
+
+
+def _stage(root: Path, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLHF_TRACKING": "off"}
+    args = [a for o in [*TINY, *overrides] for a in ("-S", o)]
+    return subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "stage", "rm", *args], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _children(pid: int) -> set[int]:
+    kids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.add(int(stat.parent.name))
+    return kids
+
+
+def _wait_for_member_rows(proc: subprocess.Popen, step: int) -> list[str]:
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("{") and "member1.loss" in line and json.loads(line).get("step", 0) >= step:
+            return lines
+    raise AssertionError("".join(lines)[-3000:])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_worker_at_a_checkpoint_and_sigkill_leaves_no_orphan(ws, tmp_path):  # noqa: F811
+    from rlhf_core.stages import exit_codes
+
+    run = ["rm.ensemble=2", "rm.max_steps=400", "rm.log_every=1", "rm.save_every=0", "rm.parallel=2"]
+    killed = tmp_path / "killed"
+    shutil.copytree(ws, killed)
+    proc = _stage(killed, *run)
+    _wait_for_member_rows(proc, 2)
+    workers = _children(proc.pid)
+    assert len(workers) >= 2  # two workers (and the executor's helpers, if any)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(w) for w in workers), "a worker outlived the SIGKILLed stage"
+
+    proc = _stage(ws, *run)
+    lines = _wait_for_member_rows(proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    err = "".join(lines) + proc.stderr.read()
+    assert proc.wait(timeout=300) == exit_codes.STOPPED, err[-3000:]
+    assert "stopped on SIGTERM after step" in err
+    for stage in ("rm", "rm_member1"):  # each worker saved the step it was on
+        latest = (ws / f"checkpoints/{stage}/latest").read_text().strip()
+        assert 1 <= int(latest.removeprefix("step_")) < 400, stage
+    assert not (ws / "models/rm/members/1/model.safetensors").exists()
