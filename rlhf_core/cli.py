@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
+from rlhf_core.launch import record_stopped
 from rlhf_core.stages import CHECKPOINTED_STAGES, STAGES, exit_codes
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
@@ -97,6 +98,7 @@ def stage_cmd(
     except tracking.TrackingRefused as err:
         fail(str(err), code=exit_codes.BAD_CONFIG)
     except stop.StopRequested as err:
+        record_stopped()
         fail(f"stage {name}: {err}", code=exit_codes.STOPPED)
     except (DataError, ConfigError, ValueError) as err:  # a retry would fail the same way
         fail(f"stage {name}: {err}", code=exit_codes.BAD_INPUT)

@@ -261,10 +261,13 @@ def _container(job):
 
 def test_commands():
     assert _container(render_stage_job(StageJobOptions("sft")))["command"] == ["rlhf", "stage", "sft"]
+    launch = ["python", "-m", "rlhf_core.launch", "--shutdown-timeout=870"]  # the pod's 900 s grace less 30 s
     assert _container(render_stage_job(StageJobOptions("sft", gpus=4)))["command"] == [
-        "torchrun", "--standalone", "--nproc_per_node=4", "-m", "rlhf_core.cli", "stage", "sft"]
+        *launch, "--standalone", "--nproc_per_node=4", "-m", "rlhf_core.cli", "stage", "sft"]
+    assert _container(render_stage_job(StageJobOptions("sft", gpus=2, termination_grace_s=1200)))["command"][:4] == [
+        *launch[:3], "--shutdown-timeout=1170"]
     assert _container(render_stage_job(StageJobOptions("rm", gpus=8, nnodes=3, name="big")))["command"] == [
-        "torchrun", "--nnodes=3", "--nproc_per_node=8", "--node_rank=$(JOB_COMPLETION_INDEX)",
+        *launch, "--nnodes=3", "--nproc_per_node=8", "--node_rank=$(JOB_COMPLETION_INDEX)",
         "--master_addr=big-0.big", "--master_port=29500", "-m", "rlhf_core.cli", "stage", "rm"]
     assert _container(render_stage_job(StageJobOptions("evaluate", params_path="configs/gpu.yaml")))["command"] == [
         "rlhf", "stage", "evaluate", "-p", "configs/gpu.yaml"]

@@ -447,7 +447,10 @@ def test_container_command_is_the_stage_cli(label):
             assert tail[:2] == ["stage", stage], cmd
             assert tail[2:] in ([], ["-p", tail[-1]]), cmd
             head = cmd[:len(cmd) - len(tail)]
-            assert head == ["rlhf"] or (head[0] == "torchrun" and head[-2:] == ["-m", "rlhf_core.cli"]), cmd
+            assert head == ["rlhf"] or (head[:3] == ["python", "-m", "rlhf_core.launch"]
+                                        and head[-2:] == ["-m", "rlhf_core.cli"]), cmd
+            if head != ["rlhf"]:  # torchrun SIGKILLs its ranks this long after SIGTERM: above the stop grace (600 s),
+                assert 600 < int(_flag(cmd, "shutdown-timeout")) <= 900 - 30, cmd  # below the pod's (900 s)
             assert "args" not in c, "the command is complete; args would be appended to it"
 
 
@@ -460,7 +463,8 @@ def _check_indexed_job(job: dict, services: list[dict]) -> None:
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     (c,) = stage_containers(job)
     cmd = c["command"]
-    assert cmd[0] == "torchrun"
+    assert cmd[:3] == ["python", "-m", "rlhf_core.launch"]
+    assert int(_flag(cmd, "shutdown-timeout")) == pod["terminationGracePeriodSeconds"] - 30
     nnodes = int(_flag(cmd, "nnodes"))
     assert nnodes > 1 and spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nnodes
     assert _flag(cmd, "node_rank") == "$(JOB_COMPLETION_INDEX)"

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from rlhf_core.launch import KUBELET_MARGIN_S
 from rlhf_core.stages import exit_codes
 from tasks.k8s.names import (
     COMPLETION_INDEX_ANNOTATION,
@@ -34,22 +35,31 @@ from tasks.k8s.names import (
 from tasks.k8s.options import StageJobOptions
 
 
+def launcher(termination_grace_s: int) -> list[str]:
+    """torchrun's command line through ``rlhf_core.launch``: its workers get the pod's grace less the kubelet's
+    margin to checkpoint after a SIGTERM (torchrun's own default is 30 s)."""
+    return ["python", "-m", "rlhf_core.launch", f"--shutdown-timeout={termination_grace_s - KUBELET_MARGIN_S}"]
+
+
 def stage_command(stage: str, params_path: str = "params.yaml", nnodes: int = 1, nproc_per_node: int = 1,
-                  job_name: str | None = None, service: str | None = None) -> list[str]:
+                  job_name: str | None = None, service: str | None = None,
+                  termination_grace_s: int = StageJobOptions.termination_grace_s) -> list[str]:
     """The container command: ``rlhf stage NAME``, or torchrun running the same CLI module.
 
-    One process: ``rlhf stage NAME``.  Several on one node: ``torchrun --standalone --nproc_per_node=N
-    -m rlhf_core.cli stage NAME``.  Several nodes (an Indexed Job): static rendezvous at pod 0
+    One process: ``rlhf stage NAME``.  Several on one node: ``python -m rlhf_core.launch --standalone
+    --nproc_per_node=N -m rlhf_core.cli stage NAME`` (torchrun with a shutdown timeout above the stop grace, and
+    the ranks' exit 75 kept: ``rlhf_core/launch.py``).  Several nodes (an Indexed Job): static rendezvous at pod 0
     (``<job>-0.<service>``), this node's rank from the Job completion index.
     """
     tail = ["stage", stage] + ([] if params_path == "params.yaml" else ["-p", params_path])
     if nnodes == 1 and nproc_per_node == 1:
         return ["rlhf", *tail]
     if nnodes == 1:
-        return ["torchrun", "--standalone", f"--nproc_per_node={nproc_per_node}", "-m", "rlhf_core.cli", *tail]
+        return [*launcher(termination_grace_s), "--standalone", f"--nproc_per_node={nproc_per_node}", "-m",
+                "rlhf_core.cli", *tail]
     job_name = job_name or default_job_name(stage)
     service = service or job_name
-    return ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
+    return [*launcher(termination_grace_s), f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
             "--node_rank=$(JOB_COMPLETION_INDEX)", f"--master_addr={master_addr(job_name, service)}",
             f"--master_port={MASTER_PORT}", "-m", "rlhf_core.cli", *tail]
 
@@ -174,7 +184,8 @@ def render_stage_job(opts: StageJobOptions) -> dict:
     flow that has already written the workspace's params passes ``seed_params=False``.
     """
     name, nnodes = opts.job_name, opts.nnodes
-    command = stage_command(opts.stage, opts.params_path, nnodes, opts.procs_per_node, job_name=name, service=name)
+    command = stage_command(opts.stage, opts.params_path, nnodes, opts.procs_per_node, job_name=name, service=name,
+                            termination_grace_s=opts.termination_grace_s)
     pod_env = stage_env(opts.env, opts.image)
     if nnodes > 1:
         # Declared explicitly (the Job controller injects the same) so $(JOB_COMPLETION_INDEX) expands in `command`.
@@ -277,7 +288,8 @@ def render_pytorchjob(opts: StageJobOptions) -> dict:
         raise ValueError("the prepare stage is not distributed; run it as a Job")
     name, nnodes = opts.job_name, opts.nnodes
     tail = ["stage", opts.stage] + ([] if opts.params_path == "params.yaml" else ["-p", opts.params_path])
-    command = ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={opts.procs_per_node}", "--node_rank=$(RANK)",
+    command = [*launcher(opts.termination_grace_s), f"--nnodes={nnodes}", f"--nproc_per_node={opts.procs_per_node}",
+               "--node_rank=$(RANK)",
                "--master_addr=$(MASTER_ADDR)", "--master_port=$(MASTER_PORT)", "-m", "rlhf_core.cli", *tail]
     labels = job_labels(opts)
     pod = pod_spec(opts, command=command, env=stage_env(opts.env, opts.image), container_name="pytorch")
@@ -329,7 +341,8 @@ def render_jobset(opts: StageJobOptions) -> dict:
     first_job = f"{name}-{JOBSET_NODES}-0"  # the replicated Job's name; its pod i is <first_job>-<i>
     pod = job["spec"]["template"]["spec"]
     pod["containers"][0]["command"] = stage_command(opts.stage, opts.params_path, opts.nnodes, opts.procs_per_node,
-                                                    job_name=first_job, service=name)
+                                                    job_name=first_job, service=name,
+                                                    termination_grace_s=opts.termination_grace_s)
     pod.pop("subdomain", None)  # JobSet sets each pod's hostname and subdomain
     pod["initContainers"] = [c for c in pod.get("initContainers", []) if c["name"] != "wait-for-master"] + (
         [wait_for_master(first_job, opts.image, opts.image_pull_policy, service=name)] if opts.nnodes > 1 else [])
