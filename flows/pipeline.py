@@ -21,6 +21,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
+from flows.workspace_slot import workspace_slot
 from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
 from rlhf_core.stages import STAGE_NAMES, STAGE_TIMEOUT_S
@@ -127,8 +128,19 @@ def rlhf_pipeline(
 
     ``k8s`` sets every stage Job (image, gpus, nnodes, queue, priority_class, ...: ``StageJobSettings``),
     ``k8s_stages`` one stage's (e.g. ``{"rlhf": {"nnodes": 2}}``); both only with ``backend="kubernetes"``.
-    Only transient stage failures are retried (``retries`` times, ``tasks.retry_policy``).
+    Only transient stage failures are retried (``retries`` times, ``tasks.retry_policy``). The whole run holds
+    its project directory's slot of a global concurrency limit (``flows/workspace_slot.py``): runs of any
+    deployment on one workspace go one at a time.
     """
+    with workspace_slot(root) as slot:
+        get_run_logger().info(f"holding the workspace's concurrency slot {slot}")
+        return _pipeline(stages, overrides, backend, promote, force, root, params_file, retries, retry_delay_s, k8s,
+                         k8s_stages)
+
+
+def _pipeline(stages: list[str] | None, overrides: list[str] | None, backend: str, promote: bool, force: bool,
+              root: str, params_file: str, retries: int, retry_delay_s: float, k8s: StageJobSettings | None,
+              k8s_stages: dict[str, StageJobSettings] | None) -> dict:
     import mlflow
 
     logger = get_run_logger()
