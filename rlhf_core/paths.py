@@ -27,6 +27,12 @@ def round_dir(n: int) -> Path:
     """``data/feedback/round_<n>``: what round ``n`` collected and started from."""
     return FEEDBACK / f"round_{n}"
 
+
+def start_dir(root: Path, round_: int, role: str) -> Path:
+    """``data/feedback/round_<n>/start/<role>``: the actor or RM round ``n`` starts from (the feedback stage
+    keeps them there; the rm and rlhf stages of the round start from them)."""
+    return root / round_dir(round_) / "start" / role
+
 PHASES = ("sft", "pairs", "prompts")
 
 
