@@ -20,6 +20,7 @@ CHECKPOINTS = Path("checkpoints")  # resumable training state per stage
 METRICS = Path("metrics")  # per-stage metrics JSON (DVC metrics, not cached)
 PLOTS = Path("plots")  # per-stage training curves (DVC plots)
 REPORTS = Path("reports")
+ADAPTER_DIR = "adapter"  # inside a saved model's folder: its unmerged LoRA adapter (compute.lora.merge_on_save: false)
 FEEDBACK = Path("data/feedback")  # feedback rounds: round_<n>/ (pairs, manifest, the round's starting models)
 
 

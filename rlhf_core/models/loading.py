@@ -21,8 +21,7 @@ from rlhf_core.config import ComputeConfig, LoraConfig, Params
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.integrity import verify_model_dir
 from rlhf_core.models.value_head import ValueHeadModel
-
-ADAPTER_DIR = "adapter"
+from rlhf_core.paths import ADAPTER_DIR
 
 
 # --------------------------------------------------------------------------- tokenizer
