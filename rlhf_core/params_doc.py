@@ -12,7 +12,7 @@ from rlhf_core.config import Params, SourceConfig
 
 HEADER = """# Params reference
 
-Generated from `rlhf_core/config.py` by `rlhf params docs > docs/params.md`;
+Generated from `rlhf_core/config/` by `rlhf params docs > docs/params.md`;
 a test fails when this file and the models disagree.  Every key lives in
 `params.yaml`; override any of them with `-S key.path=value`.
 

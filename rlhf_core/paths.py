@@ -20,12 +20,19 @@ CHECKPOINTS = Path("checkpoints")  # resumable training state per stage
 METRICS = Path("metrics")  # per-stage metrics JSON (DVC metrics, not cached)
 PLOTS = Path("plots")  # per-stage training curves (DVC plots)
 REPORTS = Path("reports")
+ADAPTER_DIR = "adapter"  # inside a saved model's folder: its unmerged LoRA adapter (compute.lora.merge_on_save: false)
 FEEDBACK = Path("data/feedback")  # feedback rounds: round_<n>/ (pairs, manifest, the round's starting models)
 
 
 def round_dir(n: int) -> Path:
     """``data/feedback/round_<n>``: what round ``n`` collected and started from."""
     return FEEDBACK / f"round_{n}"
+
+
+def start_dir(root: Path, round_: int, role: str) -> Path:
+    """``data/feedback/round_<n>/start/<role>``: the actor or RM round ``n`` starts from (the feedback stage
+    keeps them there; the rm and rlhf stages of the round start from them)."""
+    return root / round_dir(round_) / "start" / role
 
 PHASES = ("sft", "pairs", "prompts")
 

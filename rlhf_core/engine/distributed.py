@@ -9,8 +9,10 @@ backend is gloo; with CUDA it is nccl.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -146,6 +148,18 @@ def forwards_in_lockstep(model) -> bool:
             return world_size() > 1 and param is not None and hasattr(param, "ds_id")
         model = getattr(model, "module", None)
     return False
+
+
+@contextlib.contextmanager
+def full_param(param: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The parameter itself, gathered (and re-partitioned from rank 0) when ZeRO-3 partitioned it."""
+    if not hasattr(param, "ds_id"):
+        yield param
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        yield param
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

@@ -18,19 +18,17 @@ import torch
 
 from rlhf_core import paths
 from rlhf_core.config import ComputeConfig, LoraConfig, Params
+from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.integrity import verify_model_dir
 from rlhf_core.models.value_head import ValueHeadModel
-
-ADAPTER_DIR = "adapter"
+from rlhf_core.paths import ADAPTER_DIR
 
 
 # --------------------------------------------------------------------------- tokenizer
 def load_training_tokenizer(root: str | Path, params: Params):
     """The tokenizer in ``models/base`` (left padding), checked against its manifest (``CorruptModelError``);
     missing pad/EOS tokens are errors naming the path."""
-    from rlhf_core.data.tokenizer import load_tokenizer
-
     path = Path(root) / paths.BASE_MODEL
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
         raise TrainingInputError(f"{path}: no tokenizer found; run `rlhf stage prepare` first")

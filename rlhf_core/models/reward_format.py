@@ -37,9 +37,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from rlhf_core.engine.distributed import full_param
 from rlhf_core.integrity import verify_model_dir
-from rlhf_core.models.loading import ADAPTER_DIR
-from rlhf_core.models.value_head import ValueHeadModel, _full
+from rlhf_core.paths import ADAPTER_DIR
 
 SEQ_CLS_SUFFIX = "ForSequenceClassification"
 HEAD = "score"  # the head's name in every decoder *ForSequenceClassification (and OpenRLHF's default)
@@ -85,8 +85,8 @@ def checkpoint_format(path: str | Path) -> Format:
 
 
 # --------------------------------------------------------------------------- writing
-def save_seq_cls(model: ValueHeadModel, directory: str | Path, pad_token_id: int | None = None) -> None:
-    """``model`` as a ``*ForSequenceClassification`` checkpoint (``save_pretrained``, safetensors) in ``directory``.
+def save_seq_cls(model: nn.Module, directory: str | Path, pad_token_id: int | None = None) -> None:
+    """``model`` (a ``ValueHeadModel``) as a ``*ForSequenceClassification`` checkpoint (``save_pretrained``, safetensors) in ``directory``.
 
     ``pad_token_id`` (the tokenizer's; else the backbone config's) goes into the config, where HF's pooling reads
     it. The checkpoint's class is the backbone family's: it is built on the meta device and given the model's own
@@ -129,8 +129,8 @@ def save_seq_cls(model: ValueHeadModel, directory: str | Path, pad_token_id: int
 
 
 # --------------------------------------------------------------------------- reading
-def _from_seq_cls(seq_cls: nn.Module, path: str | Path) -> ValueHeadModel:
-    """The backbone and ``score`` head of a loaded ``*ForSequenceClassification`` as a ``ValueHeadModel``."""
+def _from_seq_cls(model_cls: type[nn.Module], seq_cls: nn.Module, path: str | Path) -> nn.Module:
+    """The backbone and ``score`` head of a loaded ``*ForSequenceClassification`` as a ``model_cls``."""
     name = type(seq_cls).__name__
     head = getattr(seq_cls, HEAD, None)
     if not isinstance(head, nn.Linear):
@@ -140,10 +140,10 @@ def _from_seq_cls(seq_cls: nn.Module, path: str | Path) -> ValueHeadModel:
     if head.out_features != 1:
         raise RewardModelFormatError(f"{path}: {name} has num_labels={head.out_features}; a reward model has one "
                                      "label (one scalar score)")
-    return ValueHeadModel(getattr(seq_cls, seq_cls.base_model_prefix), head)
+    return model_cls(getattr(seq_cls, seq_cls.base_model_prefix), head)
 
 
-def _load_legacy_head(model: ValueHeadModel, path: Path) -> None:
+def _load_legacy_head(model: nn.Module, path: Path) -> None:
     from safetensors.torch import load_file
 
     head_file = path / VALUE_HEAD_WEIGHTS
@@ -151,14 +151,16 @@ def _load_legacy_head(model: ValueHeadModel, path: Path) -> None:
     if weight.shape != model.value_head.weight.shape:
         raise RewardModelFormatError(f"{head_file}: value head shape {tuple(weight.shape)} does not match the "
                                      f"backbone hidden size {model.value_head.in_features}")
-    with torch.no_grad(), _full(model.value_head.weight) as w:
+    with torch.no_grad(), full_param(model.value_head.weight) as w:
         w.copy_(weight.to(w.dtype))
 
 
-def load_value_model(path: str | Path, *, trust_remote_code: bool = False, attn_implementation: str = "sdpa",
-                     dtype: torch.dtype | None = None, require_head: bool = False) -> ValueHeadModel:
-    """A ``ValueHeadModel`` from a ``*ForSequenceClassification`` checkpoint (directory or Hub id), a value-head
-    directory of the previous layout, or (unless ``require_head``) a plain HF model with a fresh head.
+def load_value_model(model_cls: type[nn.Module], path: str | Path, *, trust_remote_code: bool = False,
+                     attn_implementation: str = "sdpa", dtype: torch.dtype | None = None,
+                     require_head: bool = False) -> nn.Module:
+    """A ``model_cls(backbone, head=None)`` (``ValueHeadModel``, whose ``from_pretrained`` passes itself) from a
+    ``*ForSequenceClassification`` checkpoint (directory or Hub id), a value-head directory of the previous
+    layout, or (unless ``require_head``) a plain HF model with a fresh head.
     Errors (``RewardModelFormatError``, a ``ValueError``) name the path."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
@@ -178,9 +180,9 @@ def load_value_model(path: str | Path, *, trust_remote_code: bool = False, attn_
             missing = sorted(info["missing_keys"])
             raise RewardModelFormatError(f"{path}: the checkpoint lacks weights of {type(seq_cls).__name__}: "
                                          f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}")
-        model = _from_seq_cls(seq_cls, path)
+        model = _from_seq_cls(model_cls, seq_cls, path)
     else:
-        model = ValueHeadModel(AutoModel.from_pretrained(str(path), **kw))
+        model = model_cls(AutoModel.from_pretrained(str(path), **kw))
         if kind == "value_head":
             _load_legacy_head(model, Path(path))
     if local and (Path(path) / ADAPTER_DIR).is_dir():

@@ -12,8 +12,6 @@ before it and Hub / TRL reward models.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,20 +19,10 @@ import torch
 from torch import nn
 
 from rlhf_core.algos import gather_last
+from rlhf_core.engine.distributed import full_param
+from rlhf_core.models.reward_format import load_value_model, save_seq_cls
 from rlhf_core.prefix_cache import position_ids as positions_from_mask
 from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
-
-@contextlib.contextmanager
-def _full(param: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The parameter itself, gathered (and re-partitioned from rank 0) when ZeRO-3 partitioned it."""
-    if not hasattr(param, "ds_id"):
-        yield param
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-        yield param
-
 
 @dataclass
 class ValueHeadOutput:
@@ -52,7 +40,7 @@ class ValueHeadModel(nn.Module):
         hidden = self.base_config.hidden_size
         self.value_head = value_head if value_head is not None else nn.Linear(hidden, 1, bias=False)
         if value_head is None:
-            with _full(self.value_head.weight) as w:
+            with full_param(self.value_head.weight) as w:
                 nn.init.normal_(w, mean=0.0, std=1.0 / (hidden + 1))  # OpenRLHF's init
 
     # ------------------------------------------------------------------ properties
@@ -70,7 +58,7 @@ class ValueHeadModel(nn.Module):
 
     def scale_head(self, factor: float) -> None:
         """Multiply the value head by ``factor`` (every value and score scales with it)."""
-        with _full(self.value_head.weight) as w, torch.no_grad():
+        with full_param(self.value_head.weight) as w, torch.no_grad():
             w.mul_(factor)
 
     # ------------------------------------------------------------------ forward
@@ -122,8 +110,6 @@ class ValueHeadModel(nn.Module):
     def save_pretrained(self, directory: str | Path, pad_token_id: int | None = None) -> None:
         """A ``*ForSequenceClassification`` checkpoint (safetensors) with ``pad_token_id`` (the tokenizer's; else
         the backbone config's) in its config: ``reward_format.save_seq_cls``."""
-        from rlhf_core.models.reward_format import save_seq_cls
-
         save_seq_cls(self, directory, pad_token_id)
 
     @classmethod
@@ -133,7 +119,5 @@ class ValueHeadModel(nn.Module):
         value-head layout); a plain HF model directory (e.g. the SFT model) gets a fresh head unless
         ``require_head``: ``reward_format.load_value_model``. Safetensors only, a sealed directory checked against
         its manifest first (``CorruptModelError`` names the file)."""
-        from rlhf_core.models.reward_format import load_value_model
-
-        return load_value_model(path, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
+        return load_value_model(cls, path, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
                                 dtype=dtype, require_head=require_head)

@@ -32,20 +32,23 @@ from pathlib import Path
 import torch
 
 from rlhf_core import paths, tracking
-from rlhf_core.atomic import atomic_dir, write_json_atomic, write_text_atomic
+from rlhf_core.atomic import atomic_dir, copy_dir_atomic, write_json_atomic, write_text_atomic
 from rlhf_core.config import Params
+from rlhf_core.data.collate import left_pad_prompts
 from rlhf_core.data.feedback import checker_choices, draw_pairs, labelled_rows, read_labels
 from rlhf_core.data.readers import DataError
+from rlhf_core.data.tokenizer import load_tokenizer
+from rlhf_core.generation import GenerationConfig, rollout
 from rlhf_core.integrity import seal_model_dir
 from rlhf_core.meta import dir_sha256, write_meta
+from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.paths import start_dir
+from rlhf_core.rewards import get_checker
+from rlhf_core.rewards.sources import RewardSources
+from rlhf_core.stages.evaluate import load_champion
+from rlhf_core.trainers.rlhf.inputs import load_prompts
 
-START = "start"
 INDEX = paths.FEEDBACK / "rounds.json"  # one line per collected round: the manifests in order
-
-
-def start_dir(root: Path, round_: int, role: str) -> Path:
-    """``data/feedback/round_<n>/start/<role>``: the actor or RM round ``n`` starts from."""
-    return root / paths.round_dir(round_) / START / role
 
 
 def run(params: Params, root: str | Path = ".", log=None) -> dict:
@@ -106,8 +109,6 @@ def snapshot_start(params: Params, root: Path, n: int) -> None:
 
     DVC removes a stage's outputs before it re-runs it, so ``models/rm`` and ``models/actor`` would be gone by the
     time the rm and rlhf stages of this round start: what they start from is kept here, under the round."""
-    from rlhf_core.atomic import copy_dir_atomic
-
     actor = start_dir(root, n, "actor")
     if not (actor / "config.json").exists():
         policy = params.feedback.policy
@@ -118,8 +119,6 @@ def snapshot_start(params: Params, root: Path, n: int) -> None:
                                 f"({tracking.ENV_CHAMPION} is unset: the flow sets it once a version was promoted); "
                                 "run the base pipeline first, or set feedback.policy: workspace to continue from "
                                 "models/actor")
-            from rlhf_core.stages.evaluate import load_champion
-
             model, tok = load_champion(uri)
             with atomic_dir(actor) as tmp:
                 model.save_pretrained(tmp)
@@ -150,12 +149,6 @@ def snapshot_start(params: Params, root: Path, n: int) -> None:
 def sample_pairs(params: Params, root: Path, n: int) -> tuple[list[dict], dict]:
     """Pairs of distinct answers of the start actor to this round's prompts, and what was sampled: counts of
     prompts, responses and distinct responses, and the prompts' reference answers (or None)."""
-    from rlhf_core.data.collate import left_pad_prompts
-    from rlhf_core.data.tokenizer import load_tokenizer
-    from rlhf_core.generation import GenerationConfig, rollout
-    from rlhf_core.models.loading import load_causal_lm
-    from rlhf_core.trainers.rlhf.inputs import load_prompts
-
     fb = params.feedback
     actor_dir = start_dir(root, n, "actor")
     tok = load_tokenizer(actor_dir, params.model.trust_remote_code)
@@ -204,8 +197,6 @@ def annotate(params: Params, root: Path, n: int, pairs: list[dict], answers: lis
 
 
 def correctness(pairs: list[dict], answers: list, checker: str = "exact") -> tuple[list[bool], list[bool]]:
-    from rlhf_core.rewards import get_checker
-
     check_answer = get_checker(checker)
     a = [bool(check_answer(p["response_a"], answers[p["prompt_index"]])) for p in pairs]
     b = [bool(check_answer(p["response_b"], answers[p["prompt_index"]])) for p in pairs]
@@ -214,14 +205,10 @@ def correctness(pairs: list[dict], answers: list, checker: str = "exact") -> tup
 
 def judge_choices(params: Params, root: Path, pairs: list[dict]) -> dict[str, str]:
     """AI feedback: the judge RM's higher-scored response is chosen (``tie`` within 1e-3)."""
-    from rlhf_core.rewards.sources import RewardSources
-
     judge_dir = Path(params.feedback.judge_model) if params.feedback.judge_model else root / paths.JUDGE_MODEL
     if not (judge_dir / "config.json").exists():
         raise DataError(f"{judge_dir}: no judge reward model (feedback.annotator: rm); train one with rm.judge: "
                         "true or set feedback.judge_model")
-    from rlhf_core.data.tokenizer import load_tokenizer
-
     tok = load_tokenizer(judge_dir, params.model.trust_remote_code)
     score = RewardSources({"rm": 1.0}, judge_dir, tok, "retokenize")
     prompts = [p["prompt"] for p in pairs]

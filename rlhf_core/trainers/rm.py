@@ -218,9 +218,7 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
 
     init_kind, init_ref = cfg.init_from, paths.SFT_MODEL if cfg.init_from == "sft" else paths.BASE_MODEL
     if n_round and params.feedback.rm_init == "previous":
-        from rlhf_core.stages.feedback import start_dir
-
-        init_kind, init_ref = "previous", start_dir(Path("."), n_round, "rm")
+        init_kind, init_ref = "previous", paths.start_dir(Path("."), n_round, "rm")
         if role.member and (root / init_ref / MEMBERS_DIR / str(role.member)).is_dir():  # the same member's
             init_ref = init_ref / MEMBERS_DIR / str(role.member)
     init_source = str(init_ref) if init_kind != "base" else base_model_source(params, root)

@@ -8,7 +8,9 @@
 - ``ppo``: the actor and critic losses on one micro-batch;
 - ``metrics``: per-iteration metrics reduced by name, the stage's summary;
 - ``ema``, ``checkpoint``: EMA weights, multi-engine resumable checkpoints;
-- ``trainer``: ``RLHFTrainer`` / ``train_rlhf``, the loop.
+- ``build``: all of the above built once into an ``RLHFBundle`` (config, data, tokenizer, models, engines);
+- ``trainer``: ``RLHFTrainer`` / ``train_rlhf``, the loop (collect -> advantages -> update -> log);
+- ``outputs``: the models, metrics and plots the stage leaves.
 
 Submodules are imported lazily by their users (DeepSpeed and transformers load only when needed).
 """

@@ -18,10 +18,14 @@ import torch
 
 from rlhf_core import paths
 from rlhf_core.config import Params
-from rlhf_core.data.collate import Ragged, SFTData, encode_prompts
+from rlhf_core.data.collate import Ragged, SFTData, build_sft_data, encode_prompts, encode_sequences
+from rlhf_core.data.tokenizer import load_tokenizer, same_tokenizer
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.evaluation import HeldOut
+from rlhf_core.rewards.registry import REWARD_FUNCTIONS
+from rlhf_core.rewards.sources import RM_SOURCE
+from rlhf_core.trainers.common import default_max_length, read_split
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,6 @@ class Inputs:
 
 def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
     """Fail early, naming the key or path, on inputs the stage cannot use."""
-    from rlhf_core.rewards.registry import REWARD_FUNCTIONS
-    from rlhf_core.rewards.sources import RM_SOURCE
-
     cfg = params.rlhf
     sft_dir, rm_dir = root / paths.SFT_MODEL, root / paths.RM_MODEL
     if not (sft_dir / "config.json").exists():
@@ -65,9 +66,7 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
                                  "run `rlhf stage rm` or remove `rm`")
     actor_init = reference = sft_dir
     if params.feedback.round:  # a feedback round continues from the policy it collected comparisons on
-        from rlhf_core.stages.feedback import start_dir
-
-        actor_init = start_dir(root, params.feedback.round, "actor")
+        actor_init = paths.start_dir(root, params.feedback.round, "actor")
         if not (actor_init / "config.json").exists():
             raise TrainingInputError(f"{actor_init}: no starting actor for feedback round {params.feedback.round}; "
                                      "run `rlhf stage feedback` first")
@@ -78,8 +77,6 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
 def check_critic_tokenizer(sft_dir: Path, rm_dir: Path, trust_remote_code: bool) -> None:
     """The critic (initialised from the RM) reads the actor's token ids: refuse an RM with another vocabulary
     (the reward can be re-tokenised from text, the critic's per-token values cannot)."""
-    from rlhf_core.data.tokenizer import load_tokenizer, same_tokenizer
-
     if not same_tokenizer(load_tokenizer(sft_dir, trust_remote_code), load_tokenizer(rm_dir, trust_remote_code)):
         raise TrainingInputError(
             f"{paths.RM_MODEL}: its tokenizer differs from the actor's ({paths.SFT_MODEL}), but PPO with "
@@ -105,8 +102,6 @@ class Prompts:
 def load_prompts(params: Params, root: Path, tokenizer) -> Prompts:
     """``prompts.parquet`` and the first ``eval.max_prompts`` of ``eval_prompts.parquet``, tokenised once
     (prepare already cut the prompts; ``encode_prompts`` keeps the one BOS a tokenizer adds)."""
-    from rlhf_core.trainers.common import read_split
-
     def encode(texts: list[str]) -> Ragged:
         return encode_prompts(tokenizer, texts, params.data.max_prompt_len)
 
@@ -135,9 +130,6 @@ def load_ptx(params: Params, root: Path, tokenizer,
     """The SFT rows of the pretraining-mix loss (``rlhf.ptx_coef``), as ``build_sft_data`` rows. With
     ``rlhf.ptx_min_reward`` set, ``rm_scores(prompts, responses)`` scores every row once and :func:`ptx_keep`
     decides which stay; dropping every row is an error that names the file, the key and the best score."""
-    from rlhf_core.data.collate import build_sft_data, encode_sequences
-    from rlhf_core.trainers.common import default_max_length, read_split
-
     rel = paths.prepared_file("sft")
     sft = read_split(root, "sft", columns=("id", "prompt", "response"))
     n, floor = len(sft["id"]), params.rlhf.ptx_min_reward

@@ -1,0 +1,43 @@
+"""``eval`` (the held-out evaluation and its judge) and ``gates`` (what a candidate must beat to be registered)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_core.config.base import Section
+
+
+class EvalConfig(Section):
+    max_prompts: int = Field(200, ge=1)
+    checker: Literal["exact", "final_number"] = Field(
+        "exact", description="How the checker judges an answer: `exact` (the completion is exactly the integer: "
+                             "the demo), `final_number` (the last integer it states: the arithmetic task, so a "
+                             "base model's \"23 + 45 = 68\" counts).")
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
+    batch_size: int = Field(64, ge=1)
+    judge: Literal["auto", "checker", "model", "none"] = Field(
+        "auto", description="What scores answers independently of the training reward (the proxy): `checker` "
+                            "(exact answers; needs an answer per eval prompt), `model` (the reward model at "
+                            "`eval.judge_model`, trained on pairs the proxy never saw), `auto` (checker when "
+                            "answers exist, else the judge model when set, else none), `none`.")
+    judge_model: str | None = Field(
+        None, description="Judge reward model directory (relative to the workspace), for `judge: model|auto`; "
+                          "null: `models/judge` when `rm.judge` trained one.")
+    table_every: int = Field(
+        20, ge=0, description="RLHF: log a table of sampled prompts, responses, proxy reward and judge score "
+                              "to MLflow every N iterations (and the last); 0: off.")
+
+
+class GatesConfig(Section):
+    min_reward_gain: float = Field(0.0, description="Candidate mean proxy reward (`rlhf.reward_fns`, what RL "
+                                                    "optimised) minus the reference's.")
+    min_judge_gain: float = Field(
+        0.01, description="Candidate judge score (`eval.judge`: checker accuracy or judge-RM reward) minus the "
+                          "reference's. Below it the gate fails whatever the proxy says: reward hacking is a proxy "
+                          "that rises while the judge does not.")
+    min_win_rate_vs_champion: float = Field(0.5, ge=0.0, le=1.0)
+    max_kl: float = Field(5.0, gt=0.0)
+    min_accuracy: float = Field(0.0, ge=0.0, le=1.0)

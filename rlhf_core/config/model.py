@@ -1,0 +1,72 @@
+"""``model`` (the base model and its tokenizer, or the tiny demo model) and ``compute`` (DeepSpeed ZeRO, precision,
+LoRA, threads, the stop grace)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_core.config.base import Section
+
+
+# --------------------------------------------------------------------------- model
+class TinyModelConfig(Section):
+    """Llama-style config for the offline demo model (a few million parameters)."""
+
+    vocab_size: int = Field(256, ge=32, description="Target vocab size of the locally trained tokenizer.")
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(352, ge=8)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(4, ge=1)
+    max_position_embeddings: int = Field(128, ge=16)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class ModelConfig(Section):
+    name_or_path: str | None = Field(
+        None, description="The base model, imported by prepare into `models/base`: a Hub id, a local HF folder, "
+                          "a `.gguf` file, or `pkg:<package>[/<file>.gguf]` (a GGUF an installed package ships); "
+                          "null builds the tiny demo model offline.")
+    tokenizer: str | None = Field(None, description="Tokenizer id or path (same forms); defaults to `name_or_path`.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off by default).")
+    chat_template: bool = Field(False, description="Render plain prompts with the tokenizer's chat template.")
+
+
+# --------------------------------------------------------------------------- compute
+class LoraConfig(Section):
+    enabled: bool = Field(False, description="Train LoRA adapters (peft) on the policy / RM backbone.")
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: int = Field(16, ge=1, description="LoRA alpha (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch.")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      min_length=1, description="Module names that get adapters.")
+    only_optimize_lora: bool = Field(True, description="Freeze everything but the adapters (and a value head).")
+    merge_on_save: bool = Field(True, description="Merge adapters into the weights when saving the final model.")
+
+
+class ComputeConfig(Section):
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    offload: Literal["none", "cpu"] = Field(
+        "none", description="ZeRO offload target: optimizer state (stage >= 1) and parameters (stage 3).")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="`auto`: bf16 on GPUs that support it, fp32 on CPU.")
+    gradient_checkpointing: bool = False
+    grad_clip: float = Field(1.0, gt=0.0)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0: all cores split over local processes.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel passed to transformers.")
+    stop_grace_s: float = Field(
+        600.0, gt=0.0, description="After SIGTERM a training stage checkpoints at the next step boundary and "
+                                   "exits 75; with no boundary within this many seconds it exits 143 (the previous "
+                                   "checkpoint stands). Keep the pod's terminationGracePeriodSeconds above it.")

@@ -1,0 +1,71 @@
+"""The optimiser sections (``OptimConfig``, ``EpochConfig``) and the stages that pass over a fixed dataset:
+``sft`` and ``rm`` (``RMConfig``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_core.config.base import Section
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 means all epochs.")
+    micro_batch_size: int = Field(32, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    save_every: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
+    log_every: int = Field(10, ge=1)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="LR decay after the linear warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a share of `lr` (cosine/linear).")
+    resume: bool = Field(True, description="Continue from `checkpoints/<stage>/` when it matches params and data.")
+    keep_checkpoints: int = Field(1, ge=1, description="Checkpoints kept per stage (oldest deleted first).")
+
+
+class EpochConfig(OptimConfig):
+    """An optimiser section that passes over a fixed dataset (SFT, RM); RL counts rollout iterations instead."""
+
+    epochs: int = Field(1, ge=1, description="Passes over the training rows.")
+
+
+class SFTConfig(EpochConfig):
+    loss_on_prompt: bool = Field(False, description="Train on prompt tokens too (DeepSpeed-Chat style).")
+    packing: bool = Field(False, description="Pack short examples into full-length rows.")
+    max_length: int | None = Field(
+        None, ge=2, description="Tokens per row (prompt + response + EOS); null: data limits + 2. "
+                                "A prompt this long is an error; longer responses are cut and counted.")
+    epochs: int = Field(20, ge=1, description="Passes over the SFT rows.")
+    save_every: int = Field(100, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
+
+
+class RMConfig(EpochConfig):
+    init_from: Literal["sft", "base"] = Field("sft", description="Initialise the backbone from SFT or base.")
+    margin: float = Field(0.0, ge=0.0, description="Margin m in -log sigmoid(r_c - r_r - m).")
+    loss: Literal["sequence", "divergence"] = Field(
+        "sequence", description="`divergence`: DeepSpeed-Chat's per-token loss after the first divergence.")
+    max_length: int | None = Field(
+        None, ge=2, description="Tokens per chosen/rejected row; null: data limits + 2. "
+                                "A prompt this long is an error; longer responses are cut and counted.")
+    lr: float = Field(1e-3, gt=0.0)
+    epochs: int = Field(16, ge=1, description="Passes over the preference pairs.")
+    save_every: int = Field(200, ge=0, description="Checkpoint every N optimizer steps; 0 only at the end.")
+    ensemble: int = Field(
+        1, ge=1, le=16, description="Reward models trained on the same pairs with the same settings, member k with "
+                                    "seed `project.seed + k`; the reward (`rlhf.reward_fns: rm`) is then their "
+                                    "mean standardised score (docs/rlhf.md). Members 1.. are saved in "
+                                    "`models/rm/members/<k>`, listed in `models/rm/ensemble.json`. Costs K times "
+                                    "the RM training and the RM scoring in RL.")
+    parallel: int = Field(
+        0, ge=0, description="RM trainings (the ensemble members, the judge) run at once on a CPU, each in its "
+                             "own process with `compute.num_threads` threads; 0: as many as the cores allow "
+                             "(cores // num_threads); 1: one after another. A member's weights do not depend on "
+                             "it. Always one at a time under a launcher (torchrun) or on a GPU.")
+    judge: bool = Field(
+        False, description="Also train a judge reward model, same settings, on the held-out pairs (`eval_pairs`, "
+                           "never seen by the proxy RM) into `models/judge`; its held-out accuracy is measured on "
+                           "the proxy's training pairs. The evaluate stage's judge when prompts carry no answers "
+                           "(`eval.judge: auto|model`). Off: `models/judge` holds only its meta file.")
