@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from rlhf_core.engine.errors import NonFiniteLossError
 from rlhf_core.trainers import rm_parallel
-from rlhf_core.trainers.rm import train_rm
-from rlhf_core.trainers.rm_parallel import worker_count
+from rlhf_core.trainers.rm import PROXY, fit_reward_model, member_params, member_role, train_rm
+from rlhf_core.trainers.rm_parallel import fit_side_by_side, worker_count
 from tests.test_rm import TINY, tiny_params, with_sft, ws  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +52,10 @@ def test_side_by_side_trains_the_same_models_and_logs_the_same_rows(ws, tmp_path
     for sub in OUTPUTS:
         a, b = _weights(serial / sub), _weights(ws / sub)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+        meta = [json.loads((r / sub / "rlhf_meta.json").read_text()) for r in (serial, ws)]
+        assert [{k: m.get(k) for k in ("role", "trained_on", "ensemble_member", "init_from")} for m in meta] == [
+            {k: meta[0].get(k) for k in ("role", "trained_on", "ensemble_member", "init_from")}] * 2, sub
+    assert json.loads((ws / "models/judge/rlhf_meta.json").read_text())["role"] == "judge"
     timing = ("time", "per_s")
     same = {k: v for k, v in got[1].items() if not any(t in k for t in timing)}
     assert same == {k: got[2][k] for k in same} and got[2]["ensemble_size"] == 3
@@ -66,6 +70,23 @@ def test_side_by_side_trains_the_same_models_and_logs_the_same_rows(ws, tmp_path
     assert keys(1) == keys(2)
     assert {k.split(".")[0] for _, k in keys(2) if "." in k} == {"member1", "member2", "judge"}
     assert json.loads((ws / "models/rm/ensemble.json").read_text())["members"][2]["path"] == "members/2"
+
+
+def proxy_last(params, root, role, log=None, before_save=None):
+    """fit_reward_model with the proxy (job 0) started last: its save must still come first."""
+    if role.member == 0:
+        time.sleep(8)
+    return fit_reward_model(params, root, role, log, before_save=before_save)
+
+
+def test_a_member_trained_before_the_proxy_is_not_lost_by_the_proxys_save(ws):  # noqa: F811
+    """The proxy's atomic save replaces models/rm, under which the members live: a member that finishes first
+    waits for it (without the wait, members/1 was deleted: test_side_by_side failed so in 2 runs of 4)."""
+    p = tiny_params("rm.ensemble=2", "rm.max_steps=3")
+    jobs = [(p, PROXY, ""), (member_params(p, 1), member_role(1), "member1.")]
+    fit_side_by_side(proxy_last, jobs, ws, None, 2, 60.0)
+    assert (ws / "models/rm/model.safetensors").exists()
+    assert (ws / "models/rm/members/1/model.safetensors").exists()
 
 
 def test_a_workers_error_is_the_stages(ws):  # noqa: F811

@@ -18,6 +18,7 @@ logged metrics are prefixed ``judge.``). Off, ``models/judge`` holds only its me
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from rlhf_core.trainers.common import (
     run_metrics,
     stage_meta,
 )
+from rlhf_core.trainers.rm_parallel import fit_all
 
 STAGE = "rm"
 PAIR_COLUMNS = ("id", "prompt", "chosen", "rejected")
@@ -128,7 +130,6 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     them in this process). Returns the proxy RM's metrics (also ``metrics/rm.json``; the judge's are in
     ``metrics/rm_judge.json``)."""
     from rlhf_core.config import for_round
-    from rlhf_core.trainers.rm_parallel import fit_all
 
     root, proxy = Path(root), for_round(params)
     jobs = [(proxy, PROXY, "")]
@@ -141,8 +142,8 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
             lambda m, step: job_log({f"{prefix}{k}": v for k, v in m.items()}, step))
         return fit_reward_model(job_params, root, role, prefixed, hooks)
 
-    results = fit_all(jobs, root, log, params.rm.parallel if hooks is None else 1, params.compute.num_threads,
-                      params.compute.stop_grace_s, fit_one)
+    results = fit_all(fit_reward_model, jobs, root, log, params.rm.parallel if hooks is None else 1,
+                      params.compute.num_threads, params.compute.stop_grace_s, fit_one)
     metrics = results[0]
     if params.rm.ensemble > 1:
         metrics = summarise_ensemble(proxy, root, results[:params.rm.ensemble], log)
@@ -191,8 +192,10 @@ def summarise_ensemble(params: Params, root: Path, members: list[dict], log: Log
 
 
 def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None = None,
-                     hooks: Hooks | None = None) -> dict:
-    """Train one reward model on ``role``'s split and evaluate it on the other."""
+                     hooks: Hooks | None = None, before_save: Callable[[int, str | None], None] | None = None) -> dict:
+    """Train one reward model on ``role``'s split and evaluate it on the other; ``before_save(step,
+    checkpoint)`` runs between the last checkpoint and the final save (``rm_parallel``: a member's save waits for
+    the proxy's, which replaces ``models/rm`` whole)."""
     t_start = time.perf_counter()
     cfg, compute = params.rm, params.compute
     D.init_distributed()
@@ -264,8 +267,10 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
         **run_metrics(state, resumed_from, engine, params, max_length),
     }
     meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,
-                      score="value at the last non-pad token", role="judge" if role is JUDGE else "proxy",
+                      score="value at the last non-pad token", role="judge" if role == JUDGE else "proxy",
                       trained_on=str(train_file), **({"ensemble_member": role.member} if role.member else {}))
+    if before_save is not None:
+        before_save(state.step, str(ckpt.latest_path()) if ckpt is not None else None)
     return finish_stage(root, role.stage, engine, root / role.model_dir,
                         lambda m, d: save_value_model(m, d, compute.lora.merge_on_save, pad_id), tokenizer, meta,
                         metrics, (f"{role.stage}_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log,

@@ -16,6 +16,10 @@ The stage's process stays the one that logs and answers signals:
 - a worker that fails makes the others checkpoint and stop, and its error is the stage's;
 - a worker dies with the stage (``PR_SET_PDEATHSIG``): a killed stage leaves no process writing into its
   outputs while the retry starts.
+
+The first job saves first: the proxy RM's atomic save replaces ``models/rm`` whole, and the other members live
+under it (``models/rm/members/<k>``), so each other job waits after its last checkpoint until the first has
+saved (one after another, this is the order anyway).
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ PR_SET_PDEATHSIG = 1
 DONE = "done"
 
 Job = tuple[Params, object, str]  # (params, RMRole, the prefix of its logged metrics)
+FitFn = Callable[..., dict]  # fit_reward_model: (params, root, role, log, before_save=...)
 _log_queue = None
+_first_saved = None  # an Event: the first job has saved its model
 
 
 def usable_cores() -> int:
@@ -65,31 +71,40 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _init_worker(log_queue, grace_s: float) -> None:
-    global _log_queue
+def _init_worker(log_queue, first_saved, grace_s: float) -> None:
+    global _log_queue, _first_saved
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the stage, which stops the workers
     stop.install(grace_s)
-    _log_queue = log_queue
+    _log_queue, _first_saved = log_queue, first_saved
 
 
-def _train(job: Job, root: Path, index: int) -> dict:
-    from rlhf_core.trainers.rm import fit_reward_model
+def _wait_for_the_first(step: int, checkpoint: str | None) -> None:
+    while not _first_saved.wait(0.5):
+        if stop.signalled():  # checkpointed already: a re-run resumes at the end and saves
+            raise stop.StopRequested(step, checkpoint)
 
+
+def _train(fit: FitFn, job: Job, root: Path, index: int) -> dict:
     params, role, prefix = job
     try:
-        return fit_reward_model(params, root, role,
-                                lambda m, step: _log_queue.put((index, {f"{prefix}{k}": v for k, v in m.items()},
-                                                                step)))
+        result = fit(params, root, role,
+                     lambda m, step: _log_queue.put((index, {f"{prefix}{k}": v for k, v in m.items()}, step)),
+                     before_save=None if index == 0 else _wait_for_the_first)
+        if index == 0:
+            _first_saved.set()
+        return result
     finally:
         _log_queue.put((index, DONE, 0))
 
 
-def fit_side_by_side(jobs: list[Job], root: Path, log: LogFn | None, workers: int, grace_s: float) -> list[dict]:
-    """Run ``jobs`` in ``workers`` processes; their metrics in job order. Raises the first job's error (after
+def fit_side_by_side(fit: FitFn, jobs: list[Job], root: Path, log: LogFn | None, workers: int,
+                     grace_s: float) -> list[dict]:
+    """Run ``fit(params, root, role, log)`` for each of ``jobs`` in ``workers`` processes (``fit``: a module-level
+    function, which the workers import by name); their metrics in job order. Raises the first job's error (after
     the other workers checkpointed and stopped) or, after a SIGTERM, ``StopRequested``."""
     ctx = mp.get_context("spawn")  # a forked copy of a process with torch threads and a process group hangs
-    log_queue = ctx.Queue()
+    log_queue, first_saved = ctx.Queue(), ctx.Event()
     finished: set[int] = set()
 
     def forward_logs(timeout: float) -> None:
@@ -105,8 +120,8 @@ def fit_side_by_side(jobs: list[Job], root: Path, log: LogFn | None, workers: in
             return
 
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(log_queue, grace_s)) as pool:
-        futures = [pool.submit(_train, job, root, i) for i, job in enumerate(jobs)]
+                             initargs=(log_queue, first_saved, grace_s)) as pool:
+        futures = [pool.submit(_train, fit, job, root, i) for i, job in enumerate(jobs)]
         stopping = False
         while not all(f.done() for f in futures):
             forward_logs(0.5)
@@ -139,9 +154,10 @@ def _signal_workers(pool: ProcessPoolExecutor) -> None:
             os.kill(proc.pid, signal.SIGTERM)
 
 
-def fit_all(jobs: list[Job], root: Path, log: LogFn | None, requested: int, threads: int, grace_s: float,
-            fit_one: Callable[[Job, LogFn | None], dict]) -> list[dict]:
-    """Each job's metrics, trained in this process one after another or side by side (``worker_count``)."""
+def fit_all(fit: FitFn, jobs: list[Job], root: Path, log: LogFn | None, requested: int, threads: int,
+            grace_s: float, fit_one: Callable[[Job, LogFn | None], dict]) -> list[dict]:
+    """Each job's metrics: ``fit_one(job, log)`` in this process one after another, or ``fit`` side by side
+    (``worker_count``)."""
     launched = max(D.world_size(), int(os.environ.get("WORLD_SIZE", "1")))  # before or after the group is made
     workers = worker_count(requested, threads, len(jobs), launched, torch.cuda.is_available())
     if workers == 1:
@@ -149,4 +165,4 @@ def fit_all(jobs: list[Job], root: Path, log: LogFn | None, requested: int, thre
     if not threads:  # each worker's share of the cores
         jobs = [(p.model_copy(update={"compute": p.compute.model_copy(
             update={"num_threads": max(1, usable_cores() // workers)})}), role, prefix) for p, role, prefix in jobs]
-    return fit_side_by_side(jobs, root, log, workers, grace_s)
+    return fit_side_by_side(fit, jobs, root, log, workers, grace_s)
