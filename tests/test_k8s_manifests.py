@@ -36,8 +36,8 @@ from tasks.k8s.render import (
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
-OVERLAYS = ("gpu", "cpu-smoke", "multi-node", "pytorchjob")
-GPU_OVERLAYS = ("gpu", "multi-node", "pytorchjob")
+OVERLAYS = ("gpu", "cpu-smoke", "multi-node", "pytorchjob", "trainjob")
+GPU_OVERLAYS = ("gpu", "multi-node", "pytorchjob", "trainjob")
 # The newest schema set kubernetes-validate ships that is not newer than the kubectl used here (1.32).
 K8S_VERSION = "1.32"
 SECRETISH = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)|PRIVATE", re.IGNORECASE)
@@ -517,6 +517,28 @@ def test_pytorchjob_overlay_equals_render():
     assert of_kind(kustomize("overlays/pytorchjob"), "PyTorchJob") == [manifests.pytorchjob_resource()]
 
 
+def test_trainjob_overlay_equals_render():
+    assert of_kind(kustomize("overlays/trainjob"), "TrainJob") == [manifests.trainjob_resource()]
+
+
+def test_trainjob_overlay_image_follows_the_images_transformer(tmp_path):
+    """``kustomize edit set image`` reaches the TrainJob's spec.trainer.image (kustomizeconfig.yaml): kustomize's
+    images transformer alone only knows containers[].image."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    shutil.copytree(K8S, tmp_path / "k8s")
+    kustomization = tmp_path / "k8s/overlays/trainjob/kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count("newTag: 0.1.0-gpu") == 1
+    kustomization.write_text(text.replace("newTag: 0.1.0-gpu", "newTag: 9.9.9-test"))
+    proc = subprocess.run([kubectl, "kustomize", str(tmp_path / "k8s/overlays/trainjob")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (tj,) = of_kind([d for d in yaml.safe_load_all(proc.stdout) if d], "TrainJob")
+    assert tj["spec"]["trainer"]["image"] == f"{names.IMAGE_REPO}:9.9.9-test"
+
+
 def test_generated_files_are_current():
     pytest.importorskip("prefect_kubernetes", reason="the work-pool template is built from prefect-kubernetes")
     stale = manifests.write_manifests(REPO, check=True)
@@ -732,6 +754,21 @@ def test_pytorchjob_overlay_wiring():
         assert int(_flag(cmd, "nproc_per_node")) == int(c["resources"]["limits"][names.GPU_RESOURCE]) \
             == int(pj["spec"]["nprocPerNode"])
         assert {"name": "pytorchjob-port", "containerPort": names.MASTER_PORT, "protocol": "TCP"} in c["ports"]
+
+
+def test_trainjob_overlay_wiring():
+    """The Trainer's torch plugin gives the trainer container PET_NNODES = numNodes, PET_NPROC_PER_NODE =
+    numProcPerNode, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT; the command must leave those to it."""
+    (tj,) = of_kind(kustomize("overlays/trainjob"), "TrainJob")
+    trainer = tj["spec"]["trainer"]
+    assert trainer["numNodes"] == names.TRAINJOB["nnodes"]
+    assert trainer["numProcPerNode"] == int(trainer["resourcesPerNode"]["limits"][names.GPU_RESOURCE]) \
+        == names.TRAINJOB["gpus"]
+    cmd = trainer["command"]
+    assert not [a for a in cmd if re.match(r"--(nnodes|nproc_per_node|node_rank|master_addr|master_port|"
+                                           r"standalone|rdzv)", a)], cmd
+    grace = trainjob_pod_template(tj)["spec"]["terminationGracePeriodSeconds"]
+    assert int(_flag(cmd, "shutdown-timeout")) == grace - 30
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -53,6 +53,7 @@ GPU_OVERLAY_STAGE = "sft"
 CPU_SMOKE = {"stage": "sft", "gpus": 0, "image": DEFAULT_CPU_IMAGE}
 MULTI_NODE = {"stage": "sft", "nnodes": 2, "gpus": 8}
 PYTORCHJOB = {"stage": "sft", "nnodes": 2, "gpus": 8}
+TRAINJOB = {"stage": "sft", "nnodes": 2, "gpus": 8}
 
 GENERATED_HEADER = (
     "# GENERATED from tasks/k8s/ by `python -m tasks.k8s write-manifests`; do not edit by hand.\n"
