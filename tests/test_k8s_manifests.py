@@ -406,7 +406,7 @@ def test_trainjob_check_refuses_what_the_crd_or_the_trainer_does_not_allow():
         (lambda d: d["spec"]["trainer"].update(numProcPerNode="auto"), "auto"),  # int32 in v2.3.0
         (lambda d: patch_pod(d).update(priorityClassName="x"), "priorityClassName"),  # no such patch field
         (lambda d: patch_pod(d)["containers"][0].update(image="x"), "image"),  # a container patch has no image
-        (lambda d: d["spec"].update(podTemplateOverrides=[]), "podTemplateOverrides"),  # v2.0-v2.2's, gone
+        (lambda d: d["spec"].update(podTemplateOverrides=[]), "podTemplateOverrides"),  # v2.1's, gone
     ]:
         with pytest.raises(jsonschema.ValidationError, match=match):
             validate_trainjob(bad(edit))
