@@ -246,8 +246,10 @@ app.add_typer(k8s_app, name="k8s")
 @k8s_app.command("render")
 def k8s_render(
     stage: str = typer.Argument(..., help="prepare | sft | rm | rlhf | evaluate."),
-    kind: str = typer.Option("job", help="job (a batch/v1 Job; Indexed + headless Service when nnodes > 1) "
-                                         "or pytorchjob (Kubeflow)."),
+    kind: str = typer.Option("job", help="job (a batch/v1 Job; Indexed + headless Service when nnodes > 1), "
+                                         "jobset (a JobSet: gang restart; needs the JobSet controller), "
+                                         "pytorchjob (a Kubeflow Training Operator v1 PyTorchJob) or "
+                                         "trainjob (a Kubeflow Trainer v2 TrainJob on the torch-distributed runtime)."),
     gpus: int = typer.Option(None, help="GPUs per node (default: 0 for prepare, 1 otherwise)."),
     nnodes: int = typer.Option(1, help="Nodes (pods) for multi-node training."),
     nproc_per_node: int = typer.Option(None, help="Processes per node (default: gpus)."),

@@ -9,6 +9,7 @@ and answers with canned HTTP responses.  No network, no cluster.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import subprocess
@@ -23,7 +24,7 @@ import yaml
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s import manifests, names, submit
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import main_render, render_stage_job, render_stage_resources
+from tasks.k8s.render import RENDERERS, main_render, render_stage_job, render_stage_resources, render_trainjob
 
 REPO = Path(__file__).resolve().parents[1]
 k8s_client = pytest.importorskip("kubernetes.client", reason="kubernetes is in the [dev] / [k8s] extras")
@@ -312,6 +313,83 @@ def test_main_render_yaml():
     assert job == render_stage_job(StageJobOptions("prepare"))
     (pj,) = yaml.safe_load_all(main_render("rlhf", kind="pytorchjob", nnodes=3, gpus=2))
     assert pj["kind"] == "PyTorchJob" and pj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    (tj,) = yaml.safe_load_all(main_render("rlhf", kind="trainjob", nnodes=3, gpus=2))
+    assert tj == render_trainjob(StageJobOptions("rlhf", nnodes=3, gpus=2))
+    assert tj["kind"] == "TrainJob" and tj["spec"]["trainer"]["numNodes"] == 3
+    assert tuple(RENDERERS) == names.RENDER_KINDS
+    with pytest.raises(ValueError, match="expected one of job, jobset, pytorchjob, trainjob"):
+        main_render("rlhf", kind="mpijob")
+
+
+def test_both_clis_render_a_trainjob():
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    expected = render_trainjob(StageJobOptions("rm", nnodes=2, gpus=8))
+    result = CliRunner().invoke(app, ["k8s", "render", "rm", "--kind", "trainjob", "--nnodes", "2", "--gpus", "8"])
+    assert result.exit_code == 0, result.output
+    assert list(yaml.safe_load_all(result.output)) == [expected]
+    proc = subprocess.run([sys.executable, "-m", "tasks.k8s", "render", "rm", "--kind", "trainjob", "--nnodes", "2",
+                           "--gpus", "8"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert list(yaml.safe_load_all(proc.stdout)) == [expected]
+    proc = subprocess.run([sys.executable, "-m", "tasks.k8s", "render", "prepare", "--kind", "trainjob"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "not distributed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_render_help_names_every_kind():
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["k8s", "render", "--help"], env={"COLUMNS": "100", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())  # rich's boxes and wrapping out
+    proc = subprocess.run([sys.executable, "-m", "tasks.k8s", "render", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "{" + ",".join(names.RENDER_KINDS) + "}" in proc.stdout
+    module_help = " ".join(proc.stdout.split())
+    for kind in names.RENDER_KINDS:
+        assert re.search(rf"(^|[\s,(]){kind} \(", text), f"rlhf k8s render --help does not describe {kind}:\n{text}"
+        assert re.search(rf"(^|[\s,(]){kind} \(", module_help), f"python -m tasks.k8s render --help: {kind}"
+
+
+def test_trainjob_command_takes_its_rendezvous_from_the_trainers_pet_env(monkeypatch):
+    """The TrainJob's command has no rendezvous flags: torchrun's parser (which rlhf_core.launch uses) reads
+    each option it is not given from PET_<OPTION>, which the Trainer's torch plugin sets (v2.3.0,
+    pkg/runtime/framework/plugins/torch/torch.go: PET_NNODES = numNodes, PET_NPROC_PER_NODE = numProcPerNode,
+    PET_NODE_RANK = the Job completion index, PET_MASTER_ADDR = <name>-node-0-0.<name>, PET_MASTER_PORT = 29500)."""
+    run = pytest.importorskip("torch.distributed.run")
+    tj = render_trainjob(StageJobOptions("rm", nnodes=3, gpus=8, name="rm-x"))
+    cmd = tj["spec"]["trainer"]["command"]
+    assert cmd[:3] == ["python", "-m", "rlhf_core.launch"]
+    argv = cmd[3:]
+    for key in [k for k in os.environ if k.startswith("PET_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args would set it for nproc > 1
+    pet = {"PET_NNODES": str(tj["spec"]["trainer"]["numNodes"]),
+           "PET_NPROC_PER_NODE": str(tj["spec"]["trainer"]["numProcPerNode"]),
+           "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "rm-x-node-0-0.rm-x", "PET_MASTER_PORT": "29500"}
+    for key, value in pet.items():
+        monkeypatch.setenv(key, value)
+    args = run.parse_args(argv)
+    assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("3", "8", 2)
+    assert (args.master_addr, args.master_port, args.rdzv_backend, args.standalone) == (
+        "rm-x-node-0-0.rm-x", 29500, "static", False)
+    assert args.module and args.training_script == "rlhf_core.cli"
+    assert args.training_script_args == ["stage", "rm", "-p", "/etc/rlhf/params.yaml"]
+    assert args.shutdown_timeout == 900 - 30
+    config, _, script_args = run.config_from_args(args)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (3, 3, 8)
+    assert config.rdzv_endpoint == "rm-x-node-0-0.rm-x:29500" and config.rdzv_configs["rank"] == 2
+    assert script_args[-5:] == ["rlhf_core.cli", "stage", "rm", "-p", "/etc/rlhf/params.yaml"]
+    for key in pet:  # the guard: without the env the same command is one process on one node
+        monkeypatch.delenv(key)
+    args = run.parse_args(argv)
+    assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("1:1", "1", 0)
 
 
 def test_log_follower_skips_lines_already_seen():

@@ -3,8 +3,9 @@
 What is rendered: every overlay (``kubectl kustomize k8s/overlays/<name>``), every stage kustomization,
 ``render_stage_job`` for every stage and shape, and the Prefect work-pool template rendered by Prefect's
 own code.  Schemas: kubernetes-validate's strict schemas for Kubernetes ``K8S_VERSION`` (additional
-properties are errors).  The Kubeflow PyTorchJob has no schema there; it gets a structural check and
-its pod templates are validated strictly as ``PodTemplate`` objects.
+properties are errors).  The custom resources (JobSet, Kubeflow PyTorchJob, Kubeflow TrainJob) are validated
+against their published CRDs' schemas, vendored in ``k8s/crds/`` (unknown fields refused), and the pods in them
+strictly as Kubernetes objects.
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ import yaml
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s import manifests, names, work_pool
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import render_jobset, render_pytorchjob, render_stage_job, render_stage_resources
+from tasks.k8s.render import (
+    render_jobset,
+    render_pytorchjob,
+    render_stage_job,
+    render_stage_resources,
+    render_trainjob,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
-OVERLAYS = ("gpu", "cpu-smoke", "multi-node", "pytorchjob")
-GPU_OVERLAYS = ("gpu", "multi-node", "pytorchjob")
+OVERLAYS = ("gpu", "cpu-smoke", "multi-node", "pytorchjob", "trainjob")
+GPU_OVERLAYS = ("gpu", "multi-node", "pytorchjob", "trainjob")
 # The newest schema set kubernetes-validate ships that is not newer than the kubectl used here (1.32).
 K8S_VERSION = "1.32"
 SECRETISH = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)|PRIVATE", re.IGNORECASE)
@@ -76,37 +83,104 @@ def of_kind(docs, kind):
     return [d for d in docs if d["kind"] == kind]
 
 
+def trainjob_pod_template(doc: dict) -> dict:
+    """The trainer pod a TrainJob yields on the torch-distributed runtime, as far as this repository decides it:
+    the runtime's ``node`` container given ``spec.trainer``'s image, command, env and resources, then our runtime
+    patch (pod metadata and spec, the container's security context and mounts) merged in. Left out: what the
+    Trainer adds itself (the ``PET_*`` env, container port 29500, the JobSet's hostname and subdomain)."""
+    trainer = doc["spec"]["trainer"]
+    (patch,) = [p for p in doc["spec"]["runtimePatches"] if p["manager"] == names.TRAINJOB_PATCH_MANAGER]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    template = copy.deepcopy(node["template"]["spec"]["template"])
+    container = {"name": names.TRAINJOB_NODE, "image": trainer["image"], "command": trainer["command"],
+                 "env": trainer["env"], "resources": trainer["resourcesPerNode"]}
+    for c in template["spec"].get("containers", []):
+        if c["name"] == names.TRAINJOB_NODE:
+            container.update(c)
+    template["spec"]["containers"] = [container]
+    return template
+
+
 def pod_templates(doc: dict) -> list[dict]:
-    """(pod template spec dicts) of a workload: Job, Deployment, PyTorchJob replicas."""
+    """(pod template spec dicts) of a workload: Job, Deployment, PyTorchJob replicas, the TrainJob's trainer pod."""
     if doc["kind"] in ("Job", "Deployment"):
         return [doc["spec"]["template"]]
     if doc["kind"] == "PyTorchJob":
         return [r["template"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
+    if doc["kind"] == "TrainJob":
+        return [trainjob_pod_template(doc)]
     return []
 
 
 def stage_containers(doc: dict) -> list[dict]:
-    return [c for t in pod_templates(doc) for c in t["spec"]["containers"] if c["name"] in ("rlhf", "pytorch")]
+    return [c for t in pod_templates(doc) for c in t["spec"]["containers"]
+            if c["name"] in ("rlhf", "pytorch", names.TRAINJOB_NODE)]
 
 
 def stage_workloads(docs) -> list[dict]:
-    return [d for d in docs if d["kind"] in ("Job", "PyTorchJob")]
+    return [d for d in docs if d["kind"] in ("Job", "PyTorchJob", "TrainJob")]
+
+
+CRDS = K8S / "crds"
+JOBSET_SCHEMA = CRDS / "jobset-v0.12.0.schema.json"
+PYTORCHJOB_SCHEMA = CRDS / "pytorchjob-v1.9.4.schema.json"
+TRAINJOB_SCHEMA = CRDS / "trainjob-v2.3.0.schema.json"
+
+
+@functools.cache
+def crd_validator(path: Path):
+    """A validator for a vendored CRD's openAPIV3Schema (k8s/crds/, its source in the file), with unknown fields
+    refused as the API server's structural pruning would drop them (so a typo cannot pass). Not checked: the
+    CEL rules (``x-kubernetes-validations``) and the controllers' admission webhooks."""
+    import jsonschema
+
+    def closed(node):
+        if isinstance(node, dict):
+            node = {k: closed(v) for k, v in node.items()}
+            if node.get("type") == "object" and "properties" in node and not node.get(
+                    "x-kubernetes-preserve-unknown-fields"):
+                node.setdefault("additionalProperties", False)
+            return node
+        return [closed(x) for x in node] if isinstance(node, list) else node
+
+    schema = closed(json.loads(path.read_text())["openAPIV3Schema"])
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def validate_crd(doc: dict, path: Path) -> None:
+    """Raises ``jsonschema.ValidationError`` (the best match among all errors) when ``doc`` does not fit."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(crd_validator(path).iter_errors(doc))
+    if error is not None:
+        raise error
+
+
+def test_vendored_crds_name_their_source():
+    for path, crd in [(JOBSET_SCHEMA, "jobsets.jobset.x-k8s.io"), (PYTORCHJOB_SCHEMA, "pytorchjobs.kubeflow.org"),
+                      (TRAINJOB_SCHEMA, "trainjobs.trainer.kubeflow.org")]:
+        vendored = json.loads(path.read_text())
+        release = path.name.split("-")[-1].removesuffix(".schema.json")
+        assert vendored["crd"] == crd and vendored["source"].startswith("https://github.com/")
+        assert f"/blob/{release}/" in vendored["source"], (path.name, vendored["source"])
+        assert '"description"' not in json.dumps(vendored["openAPIV3Schema"])
+    assert json.loads(PYTORCHJOB_SCHEMA.read_text())["version"] == "v1"
+    assert json.loads(TRAINJOB_SCHEMA.read_text())["version"] == "v1alpha1"
 
 
 def validate_pytorchjob(doc: dict) -> None:
-    """Structural check of a kubeflow.org/v1 PyTorchJob (no schema available) + strict pod templates."""
+    """A kubeflow.org/v1 PyTorchJob against the Training Operator v1.9.4 CRD (vendored), the operator's own rules
+    (one Master, a container named ``pytorch``, the enums it accepts), and its pod templates strictly."""
     assert doc["apiVersion"] == "kubeflow.org/v1" and doc["kind"] == "PyTorchJob"
     assert doc["metadata"]["name"] and doc["metadata"]["namespace"]
+    validate_crd(doc, PYTORCHJOB_SCHEMA)
     spec = doc["spec"]
-    assert set(spec) <= {"pytorchReplicaSpecs", "runPolicy", "nprocPerNode", "elasticPolicy"}, set(spec)
-    assert isinstance(spec.get("nprocPerNode", "1"), str), "nprocPerNode is a string in kubeflow.org/v1"
-    assert set(spec["runPolicy"]) <= {"cleanPodPolicy", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
-                                      "backoffLimit", "schedulingPolicy", "suspend", "managedBy"}
     assert spec["runPolicy"]["cleanPodPolicy"] in ("None", "All", "Running")
     replicas = spec["pytorchReplicaSpecs"]
     assert set(replicas) <= {"Master", "Worker"} and replicas["Master"]["replicas"] == 1
     for role, rs in replicas.items():
-        assert set(rs) <= {"replicas", "restartPolicy", "template"}, (role, set(rs))
         assert rs["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
         names = [c["name"] for c in rs["template"]["spec"]["containers"]]
         assert "pytorch" in names, f"{role}: the training operator requires a container named 'pytorch'"
@@ -118,6 +192,8 @@ def validate_pytorchjob(doc: dict) -> None:
 def validate_any(doc: dict) -> None:
     if doc["kind"] == "PyTorchJob":
         validate_pytorchjob(doc)
+    elif doc["kind"] == "TrainJob":
+        validate_trainjob(doc)
     else:
         validate_strict(doc)
 
@@ -177,27 +253,11 @@ def test_render_pytorchjob_validates(stage):
     validate_pytorchjob(render_pytorchjob(StageJobOptions(stage, nnodes=3, gpus=4)))
 
 
-JOBSET_SCHEMA = K8S / "crds" / "jobset-v0.12.0.schema.json"
-
-
 def validate_jobset(doc: dict) -> None:
     """The JobSet against the published CRD's openAPIV3Schema (vendored: k8s/crds/, its source in the file), with
     unknown fields refused as the API server's structural pruning would drop them; its child Job strictly
     against Kubernetes' own batch/v1 schema."""
-    import jsonschema
-
-    schema = json.loads(JOBSET_SCHEMA.read_text())["openAPIV3Schema"]
-
-    def closed(node):  # structural schemas prune unknown fields: refuse them here, so a typo cannot pass
-        if isinstance(node, dict):
-            node = {k: closed(v) for k, v in node.items()}
-            if node.get("type") == "object" and "properties" in node and not node.get(
-                    "x-kubernetes-preserve-unknown-fields"):
-                node.setdefault("additionalProperties", False)
-            return node
-        return [closed(x) for x in node] if isinstance(node, list) else node
-
-    jsonschema.validate(doc, closed(schema))
+    validate_crd(doc, JOBSET_SCHEMA)
     for rj in doc["spec"]["replicatedJobs"]:
         validate_strict({"apiVersion": "batch/v1", "kind": "Job",
                          "metadata": {"name": f"{doc['metadata']['name']}-{rj['name']}-0",
@@ -240,6 +300,166 @@ def test_jobset_schema_check_refuses_what_the_crd_does_not_allow():
         validate_jobset(bad)
     with pytest.raises(ValueError, match="not distributed"):
         render_jobset(StageJobOptions("prepare"))
+
+
+# The torch-distributed ClusterTrainingRuntime of Kubeflow Trainer v2.3.0
+# (manifests/base/runtimes/torch_distributed.yaml): replicated Job -> its containers, its init containers.
+TORCH_DISTRIBUTED_RUNTIME = {"node": ({"node"}, set())}
+_DOMAIN_PREFIXED_PATH = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"  # DNS-1123
+                                   r"/[A-Za-z0-9/\-._~%!$&'()*+,;=:]+$")  # k8s.io/apimachinery IsDomainPrefixedPath
+
+
+def validate_trainjob(doc: dict) -> None:
+    """A trainer.kubeflow.org/v1alpha1 TrainJob against the Kubeflow Trainer v2.3.0 CRD (vendored, unknown fields
+    refused), the CRD's CEL rules on the name, the rules of the Trainer's admission webhook this object can break
+    (pkg/runtime/framework/plugins/jobset/jobset.go and torch/torch.go at v2.3.0: a runtime patch names only Jobs
+    and containers the runtime has, sets no env on ``node``, has a domain-prefixed manager; ``spec.trainer.env``
+    has no ``PET_*`` reserved name), and the trainer pod strictly as a Kubernetes ``PodTemplate``."""
+    assert doc["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and doc["kind"] == "TrainJob"
+    validate_crd(doc, TRAINJOB_SCHEMA)
+    name = doc["metadata"]["name"]
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63, f"{name!r}: not an RFC 1035 label"
+    spec = doc["spec"]
+    assert spec["runtimeRef"] == {"name": names.TRAINJOB_RUNTIME, "kind": "ClusterTrainingRuntime",
+                                  "apiGroup": "trainer.kubeflow.org"}
+    reserved = {e["name"] for e in spec["trainer"].get("env", [])} & set(names.TORCHRUN_RESERVED_ENV)
+    assert not reserved, f"spec.trainer.env must not set {sorted(reserved)} (the torch plugin's)"
+    managers = [p["manager"] for p in spec.get("runtimePatches", [])]
+    assert len(managers) == len(set(managers)), "runtimePatches is a map keyed by manager"
+    for patch in spec.get("runtimePatches", []):
+        assert _DOMAIN_PREFIXED_PATH.match(patch["manager"]), f"manager {patch['manager']!r} not domain-prefixed"
+        for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+            assert rj["name"] in TORCH_DISTRIBUTED_RUNTIME, f"the runtime has no replicated Job {rj['name']!r}"
+            containers, init_containers = TORCH_DISTRIBUTED_RUNTIME[rj["name"]]
+            pod = rj["template"]["spec"]["template"]["spec"]
+            for c in pod.get("containers", []):
+                assert c["name"] in containers, f"the runtime's {rj['name']} Job has no container {c['name']!r}"
+                assert not (c["name"] == names.TRAINJOB_NODE and c.get("env")), "env of node: spec.trainer.env"
+            for c in pod.get("initContainers", []):
+                assert c["name"] in init_containers, f"the runtime has no init container {c['name']!r}"
+    validate_strict({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{name}-node"},
+                     "template": trainjob_pod_template(doc)})
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "rlhf"])
+def test_render_trainjob_validates_against_the_published_crd(stage):
+    opts = StageJobOptions(stage, nnodes=3, gpus=8, queue="team-a", labels={"team": "nlp"},
+                           annotations={"example.com/owner": "nlp"}, env={"RLHF_PARENT_RUN_ID": "abc"})
+    doc = render_trainjob(opts)
+    validate_trainjob(doc)
+    trainer = doc["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (3, 8)
+    assert trainer["resourcesPerNode"]["limits"][names.GPU_RESOURCE] == "8"
+    # torchrun takes nnodes, nproc_per_node, node_rank, master_addr and master_port from the torch plugin's PET_*
+    assert trainer["command"] == ["python", "-m", "rlhf_core.launch", "--shutdown-timeout=870", "-m",
+                                  "rlhf_core.cli", "stage", stage, "-p", "/etc/rlhf/params.yaml"]
+    assert {"name": "RLHF_PARENT_RUN_ID", "value": "abc"} in trainer["env"]
+    assert doc["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == "team-a"  # Kueue admits the TrainJob
+    assert doc["spec"]["activeDeadlineSeconds"] == names.STAGE_DEADLINE_S[stage]
+    pod = trainjob_pod_template(doc)
+    job_pod = render_stage_job(opts)["spec"]["template"]
+    assert pod["metadata"] == job_pod["metadata"]  # labels (rlhf-ops/job selects the pods) and annotations
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 900
+    (params,) = [v for v in pod["spec"]["volumes"] if v["name"] == "params"]
+    assert params["configMap"]["name"] == names.PARAMS_CONFIGMAP
+    assert {"name": "params", "mountPath": "/etc/rlhf", "readOnly": True} in pod["spec"]["containers"][0][
+        "volumeMounts"]
+
+
+def test_trainjob_pod_is_the_stage_jobs_less_what_a_trainjob_cannot_carry():
+    """Everything of the stage Job's pod arrives in the TrainJob's trainer pod, except: the seed-params init
+    container (the stage reads the mounted ConfigMap instead), the container name (the runtime's ``node``),
+    workingDir (the image's WORKDIR), imagePullPolicy (IfNotPresent, the default for a pinned tag),
+    automountServiceAccountToken (off on the rlhf-stage ServiceAccount) and enableServiceLinks."""
+    opts = StageJobOptions("rlhf", nnodes=2, gpus=4, node_selector={"gpu": "h100"},
+                           tolerations=[{"key": "dedicated", "operator": "Equal", "value": "gpu"}])
+    job_pod = copy.deepcopy(render_stage_job(opts)["spec"]["template"]["spec"])
+    pod = trainjob_pod_template(render_trainjob(opts))["spec"]
+    (job_c,), (c,) = job_pod.pop("containers"), pod.pop("containers")
+    for key in ("initContainers", "automountServiceAccountToken", "enableServiceLinks", "restartPolicy", "subdomain"):
+        job_pod.pop(key)
+    assert pod == job_pod
+    for key in ("name", "workingDir", "imagePullPolicy", "command"):
+        job_c.pop(key)
+    for key in ("name", "command"):
+        c.pop(key)
+    c["volumeMounts"].remove({"name": "params", "mountPath": "/etc/rlhf", "readOnly": True})
+    job_c["env"] = [e for e in job_c["env"] if e["name"] != "JOB_COMPLETION_INDEX"]  # the Indexed Job's own
+    assert c == job_c
+    assert render_stage_job(opts)["spec"]["template"]["spec"]["containers"][0]["workingDir"] == names.WORKSPACE_DIR
+    dockerfile = (REPO / "docker/Dockerfile.gpu").read_text()
+    assert re.findall(r"^WORKDIR (\S+)", dockerfile, re.M)[-1] == names.WORKSPACE_DIR  # the TrainJob's cwd
+
+
+def test_trainjob_check_refuses_what_the_crd_or_the_trainer_does_not_allow():
+    import jsonschema
+
+    def bad(edit):
+        doc = render_trainjob(StageJobOptions("rlhf", nnodes=2, gpus=8))
+        edit(doc)
+        return doc
+
+    patch_pod = lambda d: d["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][  # noqa: E731
+        "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    for edit, match in [
+        (lambda d: d["spec"]["trainer"].update(numNode=2), "numNode"),  # a typo: structural pruning would drop it
+        (lambda d: d["spec"]["trainer"].update(numProcPerNode="auto"), "auto"),  # int32 in v2.3.0
+        (lambda d: patch_pod(d).update(priorityClassName="x"), "priorityClassName"),  # no such patch field
+        (lambda d: patch_pod(d)["containers"][0].update(image="x"), "image"),  # a container patch has no image
+        (lambda d: d["spec"].update(podTemplateOverrides=[]), "podTemplateOverrides"),  # v2.1's, gone
+    ]:
+        with pytest.raises(jsonschema.ValidationError, match=match):
+            validate_trainjob(bad(edit))
+    for edit, match in [
+        (lambda d: d["metadata"].update(name="1-sft"), "RFC 1035"),
+        (lambda d: d["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "2"}), "PET_NNODES"),
+        (lambda d: patch_pod(d)["containers"][0].update(env=[{"name": "A", "value": "1"}]), "env of node"),
+        (lambda d: patch_pod(d).update(initContainers=[{"name": "seed-params"}]), "no init container"),
+        (lambda d: d["spec"]["runtimePatches"][0].update(manager="rlhf-ops"), "domain-prefixed"),
+    ]:
+        with pytest.raises(AssertionError, match=match):
+            validate_trainjob(bad(edit))
+    doc = bad(lambda d: patch_pod(d)["containers"][0]["securityContext"].update(runAsUser="me"))
+    with pytest.raises(jsonschema.ValidationError, match="me"):
+        validate_trainjob(doc)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"stage": "prepare"}, "not distributed"),
+    ({"stage": "sft", "priority_class": "training-low"}, "priorityClassName"),
+    ({"stage": "sft", "image_pull_policy": "Always"}, "imagePullPolicy"),
+    ({"stage": "sft", "env": {"PET_MASTER_ADDR": "x"}}, "PET_MASTER_ADDR"),
+    ({"stage": "sft", "name": "1sft"}, "RFC 1035"),
+])
+def test_render_trainjob_refuses_what_it_cannot_carry(kw, match):
+    with pytest.raises(ValueError, match=match):
+        render_trainjob(StageJobOptions(**kw))
+
+
+def test_trainjob_without_seed_params_reads_the_workspace_params():
+    doc = render_trainjob(StageJobOptions("sft", seed_params=False, params_path="configs/gpu.yaml"))
+    validate_trainjob(doc)
+    assert doc["spec"]["trainer"]["command"][-2:] == ["-p", "configs/gpu.yaml"]
+    pod = trainjob_pod_template(doc)["spec"]
+    assert "params" not in {v["name"] for v in pod["volumes"]}
+    assert doc["spec"]["trainer"]["numNodes"] == 1 and doc["spec"]["trainer"]["numProcPerNode"] == 1
+
+
+def test_pytorchjob_check_refuses_what_the_crd_does_not_allow():
+    import jsonschema
+
+    bad = render_pytorchjob(StageJobOptions("sft", nnodes=2))
+    bad["spec"]["nprocPerNode"] = 8  # a string in kubeflow.org/v1
+    with pytest.raises(jsonschema.ValidationError, match="8"):
+        validate_pytorchjob(bad)
+    bad = render_pytorchjob(StageJobOptions("sft", nnodes=2))
+    bad["spec"]["runPolicy"]["cleanPodPolicies"] = "None"
+    with pytest.raises(jsonschema.ValidationError, match="cleanPodPolicies"):
+        validate_pytorchjob(bad)
+    bad = render_pytorchjob(StageJobOptions("sft", nnodes=2))
+    bad["spec"]["pytorchReplicaSpecs"]["Worker"]["replica"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="replica"):
+        validate_pytorchjob(bad)
 
 
 def test_strict_validation_rejects_unknown_fields():
@@ -297,6 +517,28 @@ def test_pytorchjob_overlay_equals_render():
     assert of_kind(kustomize("overlays/pytorchjob"), "PyTorchJob") == [manifests.pytorchjob_resource()]
 
 
+def test_trainjob_overlay_equals_render():
+    assert of_kind(kustomize("overlays/trainjob"), "TrainJob") == [manifests.trainjob_resource()]
+
+
+def test_trainjob_overlay_image_follows_the_images_transformer(tmp_path):
+    """``kustomize edit set image`` reaches the TrainJob's spec.trainer.image (kustomizeconfig.yaml): kustomize's
+    images transformer alone only knows containers[].image."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    shutil.copytree(K8S, tmp_path / "k8s")
+    kustomization = tmp_path / "k8s/overlays/trainjob/kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count("newTag: 0.1.0-gpu") == 1
+    kustomization.write_text(text.replace("newTag: 0.1.0-gpu", "newTag: 9.9.9-test"))
+    proc = subprocess.run([kubectl, "kustomize", str(tmp_path / "k8s/overlays/trainjob")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (tj,) = of_kind([d for d in yaml.safe_load_all(proc.stdout) if d], "TrainJob")
+    assert tj["spec"]["trainer"]["image"] == f"{names.IMAGE_REPO}:9.9.9-test"
+
+
 def test_generated_files_are_current():
     pytest.importorskip("prefect_kubernetes", reason="the work-pool template is built from prefect-kubernetes")
     stale = manifests.write_manifests(REPO, check=True)
@@ -328,16 +570,18 @@ def test_overlay_params_configmaps():
 # Semantics
 # ------------------------------------------------------------------------------------------------------------------
 RENDERED = ([f"overlay:{o}" for o in OVERLAYS] + [f"render:{s}:{v}" for s in STAGE_NAMES for v in RENDER_VARIANTS]
-            + ["render:pytorchjob"])
+            + ["render:pytorchjob", "render:trainjob"])
 
 
 def rendered(label: str) -> list[dict]:
-    """Docs for a RENDERED label: an overlay, a render_stage_job variant, or a PyTorchJob."""
+    """Docs for a RENDERED label: an overlay, a render_stage_job variant, a PyTorchJob or a TrainJob."""
     kind, _, rest = label.partition(":")
     if kind == "overlay":
         return kustomize(f"overlays/{rest}")
     if rest == "pytorchjob":
         return [render_pytorchjob(StageJobOptions("rlhf", nnodes=4, gpus=8))]
+    if rest == "trainjob":
+        return [render_trainjob(StageJobOptions("rlhf", nnodes=4, gpus=8, env={"RLHF_PARENT_RUN_ID": "abc"}))]
     stage, _, variant = rest.partition(":")
     return render_variant(stage, variant)
 
@@ -348,7 +592,7 @@ def test_gpu_overlays_request_gpus(overlay):
     assert workloads
     for doc in workloads:
         for t in pod_templates(doc):
-            (c,) = [c for c in t["spec"]["containers"] if c["name"] in ("rlhf", "pytorch")]
+            (c,) = [c for c in t["spec"]["containers"] if c["name"] in ("rlhf", "pytorch", names.TRAINJOB_NODE)]
             limits, requests = c["resources"]["limits"], c["resources"]["requests"]
             assert int(limits[names.GPU_RESOURCE]) >= 1 and limits[names.GPU_RESOURCE] == requests[names.GPU_RESOURCE]
             assert t["spec"]["nodeSelector"] and t["spec"]["tolerations"]
@@ -512,15 +756,36 @@ def test_pytorchjob_overlay_wiring():
         assert {"name": "pytorchjob-port", "containerPort": names.MASTER_PORT, "protocol": "TCP"} in c["ports"]
 
 
+def test_trainjob_overlay_wiring():
+    """The Trainer's torch plugin gives the trainer container PET_NNODES = numNodes, PET_NPROC_PER_NODE =
+    numProcPerNode, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT; the command must leave those to it."""
+    (tj,) = of_kind(kustomize("overlays/trainjob"), "TrainJob")
+    trainer = tj["spec"]["trainer"]
+    assert trainer["numNodes"] == names.TRAINJOB["nnodes"]
+    assert trainer["numProcPerNode"] == int(trainer["resourcesPerNode"]["limits"][names.GPU_RESOURCE]) \
+        == names.TRAINJOB["gpus"]
+    cmd = trainer["command"]
+    assert not [a for a in cmd if re.match(r"--(nnodes|nproc_per_node|node_rank|master_addr|master_port|"
+                                           r"standalone|rdzv)", a)], cmd
+    grace = trainjob_pod_template(tj)["spec"]["terminationGracePeriodSeconds"]
+    assert int(_flag(cmd, "shutdown-timeout")) == grace - 30
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_job_lifecycle_fields(overlay):
-    for doc in stage_workloads(kustomize(f"overlays/{overlay}")):
-        spec = doc["spec"] if doc["kind"] == "Job" else doc["spec"]["runPolicy"]
+    docs = kustomize(f"overlays/{overlay}")
+    accounts = {d["metadata"]["name"]: d for d in of_kind(docs, "ServiceAccount")}
+    for doc in stage_workloads(docs):
+        spec = doc["spec"] if doc["kind"] in ("Job", "TrainJob") else doc["spec"]["runPolicy"]
         assert 0 < spec["activeDeadlineSeconds"] <= 7 * 24 * 3600
-        assert 0 <= spec["backoffLimit"] <= 3
-        assert spec["ttlSecondsAfterFinished"] > 0
+        if doc["kind"] != "TrainJob":  # a TrainJob's restarts and TTL are its runtime's (torch-distributed: none)
+            assert 0 <= spec["backoffLimit"] <= 3
+            assert spec["ttlSecondsAfterFinished"] > 0
         for t in pod_templates(doc):
-            assert t["spec"]["automountServiceAccountToken"] is False
+            # a TrainJob's runtime patch has no automountServiceAccountToken: the ServiceAccount's own applies
+            token = t["spec"].get("automountServiceAccountToken", accounts[t["spec"]["serviceAccountName"]].get(
+                "automountServiceAccountToken"))
+            assert token is False
             assert t["spec"]["serviceAccountName"] == names.STAGE_SERVICE_ACCOUNT
         if doc["kind"] == "Job":
             rules = doc["spec"]["podFailurePolicy"]["rules"]

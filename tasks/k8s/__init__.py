@@ -2,7 +2,8 @@
 
 - ``names``: images, namespace, ConfigMaps, service accounts, labels, per-stage defaults;
 - ``options``: ``StageJobOptions``, everything a stage Job can be configured with, validated once;
-- ``render``: options -> Job (Indexed + headless Service when multi-node) or Kubeflow PyTorchJob;
+- ``render``: options -> Job (Indexed + headless Service when multi-node), JobSet, Kubeflow PyTorchJob (v1)
+  or Kubeflow Trainer v2 TrainJob;
 - ``work_pool``: the Prefect Kubernetes work pool's base job template;
 - ``manifests``: the generated files under ``k8s/`` (``python -m tasks.k8s write-manifests [--check]``);
 - ``submit``: create a Job, follow its logs, wait, explain a failure (the ``kubernetes`` client loads here).

@@ -6,7 +6,7 @@ import sys
 
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s.manifests import write_manifests
-from tasks.k8s.names import DEFAULT_GPU_IMAGE, NAMESPACE
+from tasks.k8s.names import DEFAULT_GPU_IMAGE, NAMESPACE, RENDER_KINDS
 from tasks.k8s.render import main_render
 
 
@@ -19,18 +19,25 @@ def _main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("write-manifests", help="regenerate the Job YAML and work-pool template under k8s/")
     w.add_argument("--check", action="store_true", help="only report stale files (exit 1 if any)")
     w.add_argument("--root", default=".")
-    r = sub.add_parser("render", help="print a stage's Job YAML")
+    r = sub.add_parser("render", help="print a stage's manifest: a Job (default), JobSet, PyTorchJob or TrainJob")
     r.add_argument("stage", choices=STAGE_NAMES)
     r.add_argument("--gpus", type=int)
     r.add_argument("--nnodes", type=int, default=1)
     r.add_argument("--nproc-per-node", type=int)
     r.add_argument("--image", default=DEFAULT_GPU_IMAGE)
     r.add_argument("--namespace", default=NAMESPACE)
-    r.add_argument("--kind", choices=("job", "jobset", "pytorchjob"), default="job")
+    r.add_argument("--kind", choices=RENDER_KINDS, default="job",
+                   help="job (batch/v1; Indexed + headless Service when nnodes > 1), jobset (JobSet, gang restart), "
+                        "pytorchjob (Kubeflow Training Operator v1), trainjob (Kubeflow Trainer v2, "
+                        "torch-distributed runtime)")
     args = parser.parse_args(argv)
     if args.cmd == "render":
-        sys.stdout.write(main_render(args.stage, kind=args.kind, gpus=args.gpus, nnodes=args.nnodes,
-                                     nproc_per_node=args.nproc_per_node, image=args.image, namespace=args.namespace))
+        try:
+            text = main_render(args.stage, kind=args.kind, gpus=args.gpus, nnodes=args.nnodes,
+                               nproc_per_node=args.nproc_per_node, image=args.image, namespace=args.namespace)
+        except ValueError as err:
+            r.error(str(err))
+        sys.stdout.write(text)
         return 0
     stale = write_manifests(args.root, check=args.check)
     for path in stale:

@@ -1,5 +1,5 @@
-"""The generated files under ``k8s/``: one Job per stage, the multi-node and PyTorchJob overlays, the work-pool
-template and the params copies; ``write_manifests`` writes them, or with ``check`` reports the stale ones."""
+"""The generated files under ``k8s/``: one Job per stage, the multi-node, PyTorchJob and TrainJob overlays, the
+work-pool template and the params copies; ``write_manifests`` writes them, or with ``check`` reports the stale ones."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from rlhf_core.stages import STAGE_NAMES
-from tasks.k8s.names import GENERATED_HEADER, MULTI_NODE, NAMESPACE, PYTORCHJOB
+from tasks.k8s.names import GENERATED_HEADER, MULTI_NODE, NAMESPACE, PYTORCHJOB, TRAINJOB
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import render_pytorchjob, render_stage_job, render_stage_resources, to_yaml
+from tasks.k8s.render import render_pytorchjob, render_stage_job, render_stage_resources, render_trainjob, to_yaml
 from tasks.k8s.work_pool import build_work_pool_template
 
 # Copies of params profiles kept next to the kustomizations that turn them into the rlhf-params ConfigMap.
@@ -26,6 +26,11 @@ def pytorchjob_resource() -> dict:
     return render_pytorchjob(StageJobOptions(**PYTORCHJOB))
 
 
+def trainjob_resource() -> dict:
+    """What ``k8s/overlays/trainjob`` adds: the TrainJob for :data:`TRAINJOB`."""
+    return render_trainjob(StageJobOptions(**TRAINJOB))
+
+
 def generated_files(root: Path, work_pool_template: dict | None = None) -> dict[Path, str]:
     """Every generated file under ``root`` with its expected content."""
     files: dict[Path, str] = {}
@@ -37,6 +42,7 @@ def generated_files(root: Path, work_pool_template: dict | None = None) -> dict[
             "namespace": NAMESPACE, "resources": ["job.yaml"]})
     files[root / "k8s/overlays/multi-node/job.yaml"] = GENERATED_HEADER + to_yaml(multi_node_resources())
     files[root / "k8s/overlays/pytorchjob/pytorchjob.yaml"] = GENERATED_HEADER + to_yaml(pytorchjob_resource())
+    files[root / "k8s/overlays/trainjob/trainjob.yaml"] = GENERATED_HEADER + to_yaml(trainjob_resource())
     files[root / "k8s/prefect/base-job-template.json"] = json.dumps(
         build_work_pool_template(work_pool_template), indent=2) + "\n"
     # Copies of params profiles (kustomize cannot read files outside a kustomization's directory).

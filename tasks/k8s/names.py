@@ -29,6 +29,18 @@ FLOW_RUN_POD_LABELS = {"app.kubernetes.io/component": "flow-run"}  # Prefect flo
 FLOW_RUN_LABEL = "rlhf-ops/flow-run"  # the Prefect flow run that created a Job: its cancellation deletes them
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
+# What `rlhf k8s render STAGE --kind KIND` renders (tasks/k8s/render.py:main_render).
+RENDER_KINDS = ("job", "jobset", "pytorchjob", "trainjob")
+
+# Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1, checked against v2.3.0): the TrainJob names the
+# ClusterTrainingRuntime the Trainer installs (manifests/base/runtimes/torch_distributed.yaml), whose one
+# replicated Job and its trainer container are both named "node"; our pod pieces go in as one runtime patch.
+TRAINJOB_RUNTIME = "torch-distributed"
+TRAINJOB_NODE = "node"
+TRAINJOB_PATCH_MANAGER = "rlhf-ops/render"  # runtimePatches[].manager: a domain-prefixed path, ours alone
+# Set by the Trainer's torch plugin in the trainer container; its webhook refuses them in spec.trainer.env.
+TORCHRUN_RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
 # Wall-clock budget per stage (Job.spec.activeDeadlineSeconds); the clock restarts when a Job is re-created.
 STAGE_DEADLINE_S = {"prepare": 4 * 3600, "sft": 48 * 3600, "feedback": 12 * 3600, "rm": 48 * 3600, "rlhf": 72 * 3600,
                     "evaluate": 12 * 3600}
@@ -41,6 +53,7 @@ GPU_OVERLAY_STAGE = "sft"
 CPU_SMOKE = {"stage": "sft", "gpus": 0, "image": DEFAULT_CPU_IMAGE}
 MULTI_NODE = {"stage": "sft", "nnodes": 2, "gpus": 8}
 PYTORCHJOB = {"stage": "sft", "nnodes": 2, "gpus": 8}
+TRAINJOB = {"stage": "sft", "nnodes": 2, "gpus": 8}
 
 GENERATED_HEADER = (
     "# GENERATED from tasks/k8s/ by `python -m tasks.k8s write-manifests`; do not edit by hand.\n"

@@ -1,4 +1,4 @@
-"""``StageJobOptions``: everything a stage Job (or Kubeflow PyTorchJob) can be configured with, validated once.
+"""``StageJobOptions``: everything a stage Job (JobSet, PyTorchJob, TrainJob) can be configured with, validated once.
 
 The renderers (``tasks.k8s.render``), the submitter (``tasks.k8s.submit``) and the CLI all take this one
 object; ``StageJobOptions.from_dict`` builds it from keyword options and names an unknown key.

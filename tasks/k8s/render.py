@@ -26,7 +26,12 @@ from tasks.k8s.names import (
     MASTER_PORT,
     NAMESPACE,
     PARAMS_MOUNT_DIR,
+    RENDER_KINDS,
     RUN_AS_UID,
+    TORCHRUN_RESERVED_ENV,
+    TRAINJOB_NODE,
+    TRAINJOB_PATCH_MANAGER,
+    TRAINJOB_RUNTIME,
     WORKSPACE_DIR,
     default_job_name,
     master_addr,
@@ -372,6 +377,90 @@ def render_jobset(opts: StageJobOptions) -> dict:
     }
 
 
+TRAINER_API_GROUP = "trainer.kubeflow.org"
+
+
+def render_trainjob(opts: StageJobOptions) -> dict:
+    """A Kubeflow Trainer v2 ``TrainJob`` (trainer.kubeflow.org/v1alpha1, checked against v2.3.0) running the
+    stage on the ``torch-distributed`` ClusterTrainingRuntime.
+
+    * ``spec.trainer``: the image, the command, the env, ``numNodes``, ``numProcPerNode`` and
+      ``resourcesPerNode`` (the stage Job container's requests and limits, GPUs included).
+    * Rendezvous: the Trainer's torch plugin sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` (the
+      Job completion index), ``PET_MASTER_ADDR`` (``<name>-node-0-0.<name>``) and ``PET_MASTER_PORT`` (29500) in
+      the trainer container, and torchrun's parser takes every option it is not given from ``PET_<OPTION>``;
+      so the command is the launcher without rendezvous flags:
+      ``python -m rlhf_core.launch --shutdown-timeout=<grace - 30> -m rlhf_core.cli stage NAME -p ...``.
+    * The rest of the stage Job's pod goes in as one ``runtimePatches`` entry on the runtime's ``node`` Job:
+      pod labels and annotations, service account, pod and container security context, the workspace,
+      ``/dev/shm`` and params volumes and their mounts, node selector, tolerations, termination grace.
+    * Params: the runtime has no init container to patch (a patch may only change containers the runtime has),
+      so with ``seed_params`` the stage reads the params ConfigMap where it is mounted
+      (``-p /etc/rlhf/params.yaml``) instead of a copy on the workspace; without, ``params_path`` as the Job.
+
+    What a TrainJob cannot carry is refused rather than dropped: a pod ``priorityClassName`` and an
+    ``imagePullPolicy`` other than ``IfNotPresent`` (no field for either). Not carried, and the same in effect:
+    ``automountServiceAccountToken: false`` (the ``rlhf-stage`` ServiceAccount already disables it),
+    ``workingDir`` (the image's ``WORKDIR`` is ``/workspace``). The lifecycle (restarts, failure policy, TTL)
+    is the runtime's: ``backoff_limit`` and ``ttl_s`` do not apply; ``activeDeadlineSeconds`` does.
+    """
+    if opts.stage == "prepare":
+        raise ValueError("the prepare stage is not distributed; run it as a Job")
+    name = opts.job_name
+    if not name[0].isalpha():
+        raise ValueError(f"a TrainJob's name must start with a letter (RFC 1035), got {name!r}")
+    if opts.priority_class:
+        raise ValueError("a TrainJob cannot set the pods' priorityClassName (Trainer v2.3.0's runtimePatches "
+                         "have no such field); render a Job or JobSet, or use a runtime that sets it")
+    if opts.image_pull_policy != "IfNotPresent":
+        raise ValueError(f"a TrainJob cannot set imagePullPolicy (got {opts.image_pull_policy!r}); the "
+                         f"Kubernetes default for a pinned tag is IfNotPresent")
+    reserved = sorted(set(opts.env or {}) & set(TORCHRUN_RESERVED_ENV))
+    if reserved:
+        raise ValueError(f"env {reserved}: the Trainer's torch plugin sets these (its webhook refuses them)")
+    params = f"{PARAMS_MOUNT_DIR}/params.yaml" if opts.seed_params else opts.params_path
+    command = [*launcher(opts.termination_grace_s), "-m", "rlhf_core.cli", "stage", opts.stage,
+               *([] if params == "params.yaml" else ["-p", params])]
+    pod = pod_spec(opts, command=command, env=stage_env(opts.env, opts.image), container_name=TRAINJOB_NODE)
+    (container,) = pod["containers"]
+    mounts = container["volumeMounts"]
+    if opts.seed_params:
+        mounts = [*mounts, {"name": "params", "mountPath": PARAMS_MOUNT_DIR, "readOnly": True}]
+    pod_patch: dict[str, Any] = {
+        "serviceAccountName": pod["serviceAccountName"],
+        "securityContext": pod["securityContext"],
+        "terminationGracePeriodSeconds": pod["terminationGracePeriodSeconds"],
+        "volumes": pod["volumes"],
+        "containers": [{"name": TRAINJOB_NODE, "securityContext": container["securityContext"],
+                        "volumeMounts": mounts}],
+    }
+    for key in ("nodeSelector", "tolerations"):
+        if key in pod:
+            pod_patch[key] = pod[key]
+    labels = job_labels(opts)
+    node_patch = {"name": TRAINJOB_NODE, "template": {"spec": {"template": {
+        "metadata": object_meta(opts, labels), "spec": pod_patch}}}}
+    return {
+        "apiVersion": f"{TRAINER_API_GROUP}/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "namespace": opts.namespace, **object_meta(opts, labels)},
+        "spec": {
+            "runtimeRef": {"name": TRAINJOB_RUNTIME, "kind": "ClusterTrainingRuntime", "apiGroup": TRAINER_API_GROUP},
+            "activeDeadlineSeconds": opts.deadline_s,
+            "trainer": {
+                "image": opts.image,
+                "command": command,
+                "env": container["env"],
+                "numNodes": opts.nnodes,
+                "numProcPerNode": opts.procs_per_node,
+                "resourcesPerNode": container["resources"],
+            },
+            "runtimePatches": [{"manager": TRAINJOB_PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {
+                "replicatedJobs": [node_patch]}}}}],
+        },
+    }
+
+
 def to_yaml(docs: list[dict] | dict) -> str:
     docs = docs if isinstance(docs, list) else [docs]
     return "---\n".join(yaml.safe_dump(d, sort_keys=False, default_flow_style=False, width=120) for d in docs)
@@ -379,14 +468,13 @@ def to_yaml(docs: list[dict] | dict) -> str:
 
 def main_render(stage: str, kind: str = "job", **kw) -> str:
     """YAML for ``rlhf k8s render STAGE``: the stage's Job (and headless Service when multi-node), with
-    ``kind="jobset"`` a JobSet (gang restart), with ``kind="pytorchjob"`` a Kubeflow PyTorchJob.  Pipe it to
-    ``kubectl apply -f -``."""
-    if kind == "job":
-        return to_yaml(render_stage_resources(StageJobOptions.from_dict(stage, kw)))
-    if kind == "pytorchjob":
-        return to_yaml(render_pytorchjob(StageJobOptions.from_dict(stage, kw)))
-    if kind == "jobset":
-        return to_yaml(render_jobset(StageJobOptions.from_dict(stage, kw)))
-    raise ValueError(f"unknown kind {kind!r}; expected job, jobset or pytorchjob")
+    ``kind="jobset"`` a JobSet (gang restart), with ``kind="pytorchjob"`` a Kubeflow PyTorchJob (Training
+    Operator v1), with ``kind="trainjob"`` a Kubeflow Trainer v2 TrainJob.  Pipe it to ``kubectl apply -f -``."""
+    if kind not in RENDERERS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(RENDER_KINDS)}")
+    return to_yaml(RENDERERS[kind](StageJobOptions.from_dict(stage, kw)))
 
 
+# names.RENDER_KINDS (what the CLIs offer, without importing this module) -> the renderer
+RENDERERS = {"job": render_stage_resources, "jobset": render_jobset, "pytorchjob": render_pytorchjob,
+             "trainjob": render_trainjob}
