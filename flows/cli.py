@@ -260,7 +260,7 @@ def k8s_render(
 
     Example: rlhf k8s render sft --gpus 8 | kubectl apply -f -
     """
-    from tasks.k8s.render import main_render
+    from tasks.k8s.render_operators import main_render
 
     kw = {k: v for k, v in {"gpus": gpus, "nproc_per_node": nproc_per_node, "image": image}.items() if v is not None}
     if kind == "job" or nnodes != 1:

@@ -24,7 +24,8 @@ import yaml
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s import manifests, names, submit
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import RENDERERS, main_render, render_stage_job, render_stage_resources, render_trainjob
+from tasks.k8s.render import render_stage_job, render_stage_resources
+from tasks.k8s.render_operators import RENDERERS, main_render, render_trainjob
 
 REPO = Path(__file__).resolve().parents[1]
 k8s_client = pytest.importorskip("kubernetes.client", reason="kubernetes is in the [dev] / [k8s] extras")
@@ -411,7 +412,8 @@ def test_log_follower_skips_lines_already_seen():
 def test_module_imports_without_kubernetes_or_prefect():
     code = ("import sys\n"
             "for m in ('kubernetes', 'prefect', 'prefect_kubernetes'): sys.modules[m] = None\n"
-            "import tasks.k8s.render as k, tasks.k8s.manifests, tasks.k8s.submit, tasks.k8s.__main__\n"
+            "import tasks.k8s.render_operators as k, tasks.k8s.render, tasks.k8s.manifests, tasks.k8s.submit\n"
+            "import tasks.k8s.__main__\n"
             "print(k.main_render('sft')[:20])\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -596,7 +598,7 @@ JS_FAILED = {"restarts": 0, "conditions": [{"type": "Failed", "status": "True", 
 def test_multinode_as_a_jobset_is_created_watched_and_explained():
     """multinode=jobset: the real CustomObjectsApi posts render_jobset's object (no Job, no Service of ours),
     rank 0's logs are followed, the JobSet's Completed condition ends the wait; a Failed one is explained."""
-    from tasks.k8s.render import render_jobset
+    from tasks.k8s.render_operators import render_jobset
 
     cluster = FakeCluster(job_states=[RUNNING], jobset_states=[JS_RUNNING, JS_COMPLETED],
                           pods=[pod("rlhf-rlhf-j1-node-0-1-x", index="1"), pod("rlhf-rlhf-j1-node-0-0-y", index="0")],

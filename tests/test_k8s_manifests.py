@@ -26,13 +26,8 @@ import yaml
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s import manifests, names, work_pool
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import (
-    render_jobset,
-    render_pytorchjob,
-    render_stage_job,
-    render_stage_resources,
-    render_trainjob,
-)
+from tasks.k8s.render import render_stage_job, render_stage_resources
+from tasks.k8s.render_operators import render_jobset, render_pytorchjob, render_trainjob
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"

@@ -7,7 +7,7 @@ import sys
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s.manifests import write_manifests
 from tasks.k8s.names import DEFAULT_GPU_IMAGE, NAMESPACE, RENDER_KINDS
-from tasks.k8s.render import main_render
+from tasks.k8s.render_operators import main_render
 
 
 def _main(argv: list[str] | None = None) -> int:

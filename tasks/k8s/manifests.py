@@ -9,7 +9,8 @@ from pathlib import Path
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s.names import GENERATED_HEADER, MULTI_NODE, NAMESPACE, PYTORCHJOB, TRAINJOB
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import render_pytorchjob, render_stage_job, render_stage_resources, render_trainjob, to_yaml
+from tasks.k8s.render import render_stage_job, render_stage_resources
+from tasks.k8s.render_operators import render_pytorchjob, render_trainjob, to_yaml
 from tasks.k8s.work_pool import build_work_pool_template
 
 # Copies of params profiles kept next to the kustomizations that turn them into the rlhf-params ConfigMap.

@@ -29,7 +29,7 @@ FLOW_RUN_POD_LABELS = {"app.kubernetes.io/component": "flow-run"}  # Prefect flo
 FLOW_RUN_LABEL = "rlhf-ops/flow-run"  # the Prefect flow run that created a Job: its cancellation deletes them
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
-# What `rlhf k8s render STAGE --kind KIND` renders (tasks/k8s/render.py:main_render).
+# What `rlhf k8s render STAGE --kind KIND` renders (tasks/k8s/render_operators.py:main_render).
 RENDER_KINDS = ("job", "jobset", "pytorchjob", "trainjob")
 
 # Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1, checked against v2.3.0): the TrainJob names the

@@ -17,7 +17,8 @@ from typing import Any
 from rlhf_core.stages import STAGE_TIMEOUT_S
 from tasks.k8s.names import COMPLETION_INDEX_ANNOTATION, FLOW_RUN_LABEL, NAMESPACE, default_job_name
 from tasks.k8s.options import StageJobOptions
-from tasks.k8s.render import render_jobset, render_stage_resources
+from tasks.k8s.render import render_stage_resources
+from tasks.k8s.render_operators import render_jobset
 
 JOBSET_API = ("jobset.x-k8s.io", "v1alpha2", "jobsets")  # group, version, plural
 
