@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from rlhf_core.launch import STOPPED_DIR_ENV, exit_code_after_signal, record_stopped
 from rlhf_core.stages import exit_codes
+from tests.stage_signals import sigterm_at_step
 from tests.tiny import TINY_DEMO, tiny_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,13 +73,7 @@ def test_sigterm_to_the_launcher_checkpoints_both_ranks_exits_75_and_the_rerun_m
     shutil.copytree(prepared, ws)
     shutil.copytree(prepared, full)
     proc = _launch(ws, *SFT)
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
-            proc.send_signal(signal.SIGTERM)
-            break
-    err = "".join(lines) + proc.stderr.read()
+    err = sigterm_at_step(proc, 3)
     assert proc.wait(timeout=300) == exit_codes.STOPPED, err[-3000:]
     assert "rlhf launch: SIGTERM; exit 75" in err
     stopped_at = int((ws / "checkpoints/sft/latest").read_text().strip().removeprefix("step_"))

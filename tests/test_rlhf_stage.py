@@ -23,6 +23,7 @@ from rlhf_core.config import ConfigError
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.integrity import MODEL_MANIFEST
 from tests.conftest import REPO, make_params
+from tests.stage_signals import sigterm_at_step
 from tests.tiny import reseal_prepared
 
 TINY = ["model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2",
@@ -454,7 +455,6 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run
     """A real SIGTERM to a running ``rlhf stage`` process (what Kubernetes sends on preemption): the stage
     finishes its step, checkpoints it and exits 75; the re-run resumes there and ends with the weights of a run
     that was never interrupted."""
-    import signal
 
     from rlhf_core.stages import exit_codes
 
@@ -462,13 +462,7 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run
     full = tmp_path / "full"
     shutil.copytree(ws, full)
     proc = _stage_cli(stage, ws, overrides)
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
-            proc.send_signal(signal.SIGTERM)
-            break
-    err = "".join(lines) + proc.stderr.read()
+    err = sigterm_at_step(proc, 3)
     assert proc.wait(timeout=300) == exit_codes.STOPPED, err[-3000:]
     latest = (ws / f"checkpoints/{stage}/latest").read_text().strip()
     stopped_at = int(latest.removeprefix("step_"))
