@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import subprocess
+import warnings
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -28,7 +30,7 @@ def git_sha(cwd: str | Path = ".") -> str | None:
 def code_lineage(root: str | Path = ".") -> dict[str, str]:
     """Which code ran: the checkout's git sha, else the one baked into the image (``RLHF_GIT_SHA``, a build
     arg), else ``unknown``; the package version; the image the pod runs (``RLHF_IMAGE``, set in every stage
-    pod) and its digest when the reference pins one (``repo@sha256:...``)."""
+    pod) and its digest when the reference pins one (``repo@sha256:...``; a tag alone is warned about once)."""
     import os
 
     sha = git_sha(root) or os.environ.get("RLHF_GIT_SHA", "").strip()
@@ -39,7 +41,15 @@ def code_lineage(root: str | Path = ".") -> dict[str, str]:
         out["image"] = image
         if "@" in image:
             out["image_digest"] = image.rsplit("@", 1)[1]
+        else:
+            _warn_unpinned(image)
     return out
+
+
+@functools.cache
+def _warn_unpinned(image: str) -> None:
+    warnings.warn(f"RLHF_IMAGE={image} names a tag, not a digest (repo@sha256:...): the lineage of what this "
+                  "run produces cannot tell which build of that tag ran", stacklevel=3)
 
 
 def versions() -> dict[str, str]:

@@ -1,23 +1,31 @@
 """Prefect artifacts that lead from a flow run to MLflow: the parent run, each stage's run, the registered versions.
 
-``mlflow_links`` is pure: ``(key, title, url)`` per target, with the MLflow UI's URLs when the tracking URI is
-an HTTP server (the UI is served there). With the embedded SQLite store there is no server to link to; the
+``mlflow_links`` is pure: ``(key, title, url)`` per target, with the MLflow UI's URLs: under ``RLHF_MLFLOW_UI_URL``
+when it is set (the URL a browser opens: an ingress, a port-forward; the tracking URI a pod uses, e.g.
+``http://rlhf-mlflow:5000``, resolves only inside the cluster), else the tracking URI when it is an HTTP server
+(the UI is served there). With the embedded SQLite store there is no server to link to; the
 flow then publishes one markdown artifact with the run ids and the ``mlflow ui`` command that shows them.
 """
 
 from __future__ import annotations
 
+import os
 
-def ui_base(tracking_uri: str) -> str | None:
-    """The MLflow UI root for an HTTP(S) tracking server, else None."""
+UI_URL_ENV = "RLHF_MLFLOW_UI_URL"
+
+
+def ui_base(tracking_uri: str, ui_url: str | None = None) -> str | None:
+    """The MLflow UI root: ``ui_url`` when given, else an HTTP(S) tracking server's, else None."""
+    if ui_url:
+        return ui_url.rstrip("/")
     return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else None
 
 
 def mlflow_links(tracking_uri: str, experiment_id: str, parent_run_id: str, stage_runs: dict[str, str],
-                 registered: dict[str, dict]) -> list[tuple[str, str, str]]:
+                 registered: dict[str, dict], ui_url: str | None = None) -> list[tuple[str, str, str]]:
     """``[(artifact key, title, url)]``: the parent run, ``stage_runs`` (stage -> run id), ``registered`` (kind ->
-    {"name", "version"}). Empty without an HTTP server."""
-    base = ui_base(tracking_uri)
+    {"name", "version"}). Empty without a UI URL or an HTTP server."""
+    base = ui_base(tracking_uri, ui_url)
     if base is None:
         return []
     run = f"{base}/#/experiments/{experiment_id}/runs/"
@@ -61,7 +69,8 @@ def publish_links(tracking_uri: str, experiment_id: str, parent_run_id: str, reg
     except Exception as err:  # the flow's outcome does not depend on its links
         logging.getLogger("rlhf.flow").warning("no MLflow links for this flow run: %s", err)
         return
-    links = mlflow_links(tracking_uri, experiment_id, parent_run_id, stages, registered)
+    links = mlflow_links(tracking_uri, experiment_id, parent_run_id, stages, registered,
+                         os.environ.get(UI_URL_ENV) or None)
     for key, title, url in links:
         create_link_artifact(link=url, link_text=title, key=key, description=title)
     if not links:

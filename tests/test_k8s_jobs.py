@@ -586,6 +586,21 @@ def test_lineage_without_git_reads_the_image(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_GIT_SHA", "unknown")
     monkeypatch.delenv("RLHF_IMAGE")
     assert code_lineage(tmp_path) == {"git_sha": "unknown", "version": lineage["version"]}
+    monkeypatch.setenv("RLHF_IMAGE", "registry.example.com/rlhf-ops:0.1.0-gpu")  # a tag: which build is unknown
+    with pytest.warns(UserWarning, match="names a tag, not a digest"):
+        tagged = code_lineage(tmp_path)
+    assert tagged["image"] == "registry.example.com/rlhf-ops:0.1.0-gpu" and "image_digest" not in tagged
+
+
+def test_the_flow_run_pod_names_its_image_and_the_ui_url_a_browser_opens():
+    """The flow-run pod (it registers the models) carries RLHF_IMAGE from the deployment's image variable, and
+    every pod may read the MLflow UI URL from the endpoints ConfigMap (optional: absent, links use the tracking
+    URI)."""
+    template = json.loads((REPO / "k8s/prefect/base-job-template.json").read_text())
+    env = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "RLHF_IMAGE", "value": "{{ image }}"} in env
+    ui = next(e for e in env if e["name"] == "RLHF_MLFLOW_UI_URL")["valueFrom"]["configMapKeyRef"]
+    assert ui == {"name": names.ENDPOINTS_CONFIGMAP, "key": "RLHF_MLFLOW_UI_URL", "optional": True}
 
 
 JS_RUNNING = {"restarts": 0, "replicatedJobsStatus": [{"name": "node", "active": 1}]}

@@ -62,5 +62,11 @@ def test_mlflow_links_for_a_server_and_the_embedded_store():
                      ("mlflow-model-actor", "MLflow registry: demo-actor v3",
                       "http://mlflow:5000/#/models/demo-actor/versions/3")]
     assert mlflow_links("sqlite:///x/mlflow.db", "7", "p1", {"sft": "s1"}, reg) == []
+    # the URL a browser opens, not the in-cluster tracking URI the pods use
+    outside = mlflow_links("http://rlhf-mlflow:5000", "7", "p1", {}, reg, ui_url="https://mlflow.example.org/")
+    assert [url for _, _, url in outside] == ["https://mlflow.example.org/#/experiments/7/runs/p1",
+                                              "https://mlflow.example.org/#/models/demo-actor/versions/3"]
+    assert mlflow_links("sqlite:///x/mlflow.db", "7", "p1", {}, reg, ui_url="http://127.0.0.1:5000")[0][2] == \
+        "http://127.0.0.1:5000/#/experiments/7/runs/p1"  # `mlflow ui` over the embedded store
     md = local_runs_markdown("sqlite:///x/mlflow.db", "p1", {"sft": "s1"}, reg)
     assert "`mlflow ui --backend-store-uri sqlite:///x/mlflow.db`" in md and "| sft run | `s1` |" in md

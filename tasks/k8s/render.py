@@ -88,8 +88,9 @@ def stage_env(extra: dict[str, str] | None, image: str | None = None) -> list[di
 
     ``extra`` (plain values, e.g. the flow's parent MLflow run id) replaces entries of the same name.
     """
-    def cm(name: str) -> dict:
-        return {"name": name, "valueFrom": {"configMapKeyRef": {"name": ENDPOINTS_CONFIGMAP, "key": name}}}
+    def cm(name: str, optional: bool = False) -> dict:
+        ref = {"name": ENDPOINTS_CONFIGMAP, "key": name, **({"optional": True} if optional else {})}
+        return {"name": name, "valueFrom": {"configMapKeyRef": ref}}
 
     def secret(name: str) -> dict:
         return {"name": name, "valueFrom": {"secretKeyRef": {"name": CREDENTIALS_SECRET, "key": name,
@@ -99,6 +100,7 @@ def stage_env(extra: dict[str, str] | None, image: str | None = None) -> list[di
         *([{"name": "RLHF_IMAGE", "value": image}] if image else []),  # first: where a kustomize patch puts it
         cm("MLFLOW_TRACKING_URI"),
         cm("PREFECT_API_URL"),
+        cm("RLHF_MLFLOW_UI_URL", optional=True),  # the MLflow UI a browser opens (tasks/links.py)
         secret("MLFLOW_TRACKING_USERNAME"),
         secret("MLFLOW_TRACKING_PASSWORD"),
         secret("HF_TOKEN"),

@@ -75,7 +75,9 @@ def build_work_pool_template(default_template: dict | None = None) -> dict:
     container["command"] = ["/usr/bin/env"]
     container["workingDir"] = WORKSPACE_DIR
     # A hard-coded env list: the worker prepends its own variables (the `env` job variable) to it.
-    container["env"] = [e for e in stage_env(None) if e["name"] != "PREFECT_API_URL"] + [
+    # RLHF_IMAGE: the flow-run pod's own image, for the lineage tags of the versions it registers (rlhf_core/meta.py)
+    container["env"] = [{"name": "RLHF_IMAGE", "value": "{{ image }}"}] + [
+        e for e in stage_env(None) if e["name"] != "PREFECT_API_URL"] + [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in FLOW_JOB_ENV.items()]
     container["resources"]["requests"][GPU_RESOURCE] = "{{ gpu_count }}"
     container["resources"]["limits"][GPU_RESOURCE] = "{{ gpu_count }}"
