@@ -17,6 +17,11 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
 LEASE_S = 300.0
 LIMIT = 1
 
@@ -27,10 +32,6 @@ def limit_name(root: str | Path) -> str:
 
 def ensure_limit(name: str) -> None:
     """Create the limit (``LIMIT`` slots) unless it exists; an existing one is left as an operator set it."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
     with get_client(sync_client=True) as client:
         try:
             client.read_global_concurrency_limit_by_name(name)
@@ -42,8 +43,6 @@ def ensure_limit(name: str) -> None:
 @contextlib.contextmanager
 def workspace_slot(root: str | Path) -> Iterator[str]:
     """Hold the project directory's slot for the block (waiting for it); yields the limit's name."""
-    from prefect.concurrency.sync import concurrency
-
     name = limit_name(root)
     ensure_limit(name)
     with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S):

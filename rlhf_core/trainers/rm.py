@@ -136,14 +136,8 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     jobs += [(member_params(proxy, k), member_role(k), f"member{k}.") for k in range(1, params.rm.ensemble)]
     jobs += [(params, JUDGE, "judge.")] if params.rm.judge else []
 
-    def fit_one(job, job_log: LogFn | None) -> dict:
-        job_params, role, prefix = job
-        prefixed = None if job_log is None else (
-            lambda m, step: job_log({f"{prefix}{k}": v for k, v in m.items()}, step))
-        return fit_reward_model(job_params, root, role, prefixed, hooks)
-
-    results = fit_all(fit_reward_model, jobs, root, log, params.rm.parallel if hooks is None else 1,
-                      params.compute.num_threads, params.compute.stop_grace_s, fit_one)
+    results = fit_all(fit_reward_model, jobs, root, log, params.rm.parallel, params.compute.num_threads,
+                      params.compute.stop_grace_s, hooks)
     metrics = results[0]
     if params.rm.ensemble > 1:
         metrics = summarise_ensemble(proxy, root, results[:params.rm.ensemble], log)

@@ -39,13 +39,13 @@ import torch
 from rlhf_core.config import Params
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine import stop
-from rlhf_core.engine.loop import LogFn
+from rlhf_core.engine.loop import Hooks, LogFn
 
 PR_SET_PDEATHSIG = 1
 DONE = "done"
 
 Job = tuple[Params, object, str]  # (params, RMRole, the prefix of its logged metrics)
-FitFn = Callable[..., dict]  # fit_reward_model: (params, root, role, log, before_save=...)
+FitFn = Callable[..., dict]  # fit_reward_model: (params, root, role, log, hooks=None, before_save=None)
 _log_queue = None
 _first_saved = None  # an Event: the first job has saved its model
 
@@ -62,6 +62,13 @@ def worker_count(requested: int, threads: int, jobs: int, world_size: int, cuda:
         return 1
     n = requested or usable_cores() // max(1, threads or usable_cores())
     return max(1, min(n, jobs))
+
+
+def with_prefix(log: LogFn | None, prefix: str) -> LogFn | None:
+    """``log`` with ``prefix`` on every metric's name (``member<k>.``, ``judge.``)."""
+    if log is None or not prefix:
+        return log
+    return lambda metrics, step: log({f"{prefix}{k}": v for k, v in metrics.items()}, step)
 
 
 def _die_with_parent() -> None:
@@ -88,8 +95,7 @@ def _wait_for_the_first(step: int, checkpoint: str | None) -> None:
 def _train(fit: FitFn, job: Job, root: Path, index: int) -> dict:
     params, role, prefix = job
     try:
-        result = fit(params, root, role,
-                     lambda m, step: _log_queue.put((index, {f"{prefix}{k}": v for k, v in m.items()}, step)),
+        result = fit(params, root, role, with_prefix(lambda m, step: _log_queue.put((index, m, step)), prefix),
                      before_save=None if index == 0 else _wait_for_the_first)
         if index == 0:
             _first_saved.set()
@@ -155,13 +161,14 @@ def _signal_workers(pool: ProcessPoolExecutor) -> None:
 
 
 def fit_all(fit: FitFn, jobs: list[Job], root: Path, log: LogFn | None, requested: int, threads: int,
-            grace_s: float, fit_one: Callable[[Job, LogFn | None], dict]) -> list[dict]:
-    """Each job's metrics: ``fit_one(job, log)`` in this process one after another, or ``fit`` side by side
-    (``worker_count``)."""
+            grace_s: float, hooks: Hooks | None = None) -> list[dict]:
+    """Each job's metrics: ``fit`` in this process one after another (with ``hooks``, which are in-process
+    callbacks, always), or side by side (``worker_count``)."""
     launched = max(D.world_size(), int(os.environ.get("WORLD_SIZE", "1")))  # before or after the group is made
-    workers = worker_count(requested, threads, len(jobs), launched, torch.cuda.is_available())
+    workers = 1 if hooks is not None else worker_count(requested, threads, len(jobs), launched,
+                                                        torch.cuda.is_available())
     if workers == 1:
-        return [fit_one(job, log) for job in jobs]
+        return [fit(params, root, role, with_prefix(log, prefix), hooks) for params, role, prefix in jobs]
     if not threads:  # each worker's share of the cores
         jobs = [(p.model_copy(update={"compute": p.compute.model_copy(
             update={"num_threads": max(1, usable_cores() // workers)})}), role, prefix) for p, role, prefix in jobs]
