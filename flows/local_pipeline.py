@@ -11,13 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlhf_core.dvc_repro import stage_env
+
 EPHEMERAL_STARTUP_TIMEOUT_S = 300  # Prefect's default is 20 s
 
 
 def ensure_dvc(root: Path, workspace: str) -> None:
     """``dvc init`` (if needed) and a default local remote inside the ignored workspace folder."""
-    from tasks.stages import stage_env
-
     if not (root / ".dvc").is_dir():
         subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=root, check=True, env=stage_env())
     remote = (root / workspace / "dvc-remote").resolve()

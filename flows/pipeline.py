@@ -24,11 +24,12 @@ from prefect.tasks import exponential_backoff
 from flows.workspace_slot import workspace_slot
 from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
+from rlhf_core.dvc_remote import publish_params, pull_outputs
 from rlhf_core.stages import STAGE_NAMES, STAGE_TIMEOUT_S
 from tasks.events import emit_gate_event, emit_promoted_event
 from tasks.gates import evaluation_gate
 from tasks.k8s.names import FLOW_RUN_LABEL
-from tasks.k8s.options import StageJobSettings, flow_stage_options, job_namespaces
+from tasks.k8s.options import StageJobSettings, flow_stage_options, job_namespaces, pipeline_dvc_remote
 from tasks.links import publish_links, stage_run_ids
 from tasks.registry import (
     CHAMPION,
@@ -128,6 +129,8 @@ def rlhf_pipeline(
 
     ``k8s`` sets every stage Job (image, gpus, nnodes, queue, priority_class, ...: ``StageJobSettings``),
     ``k8s_stages`` one stage's (e.g. ``{"rlhf": {"nnodes": 2}}``); both only with ``backend="kubernetes"``.
+    With ``k8s.dvc_remote`` the stage Jobs run under DVC against that remote (``rlhf_core/dvc_remote.py``): this
+    flow publishes its params there and pulls the models to register from there, not from a shared volume.
     Only transient stage failures are retried (``retries`` times, ``tasks.retry_policy``). The whole run holds
     its project directory's slot of a global concurrency limit (``flows/workspace_slot.py``): runs of any
     deployment on one workspace go one at a time.
@@ -162,6 +165,10 @@ def _pipeline(stages: list[str] | None, overrides: list[str] | None, backend: st
     if backend != "kubernetes" and (k8s or k8s_stages):
         raise ValueError("k8s / k8s_stages set Kubernetes stage Jobs; they need backend='kubernetes'")
     job_options = stage_job_options(wanted, k8s, k8s_stages, flow_run.get_id()) if backend == "kubernetes" else {}
+    remote = pipeline_dvc_remote(k8s, k8s_stages) if backend == "kubernetes" else None
+    if remote:  # the stage pods run `rlhf repro` with the params the flow publishes to the remote's state
+        publish_params(root_path, remote)
+        logger.info(f"stages run under DVC against {remote}; params published")
 
     summary: dict = {"stages": [], "registered": {}, "gate": None, "promoted": False,
                      "tracking_uri": mlflow.get_tracking_uri(), "experiment_id": experiment_id}
@@ -183,6 +190,8 @@ def _pipeline(stages: list[str] | None, overrides: list[str] | None, backend: st
         create_table_artifact(_metric_rows(summary["stages"]), key="stage-metrics",
                               description="Per-stage status, wall time and metrics")
 
+        if remote:  # the models come from the remote, not from the pods' volume
+            pull_outputs(root_path, remote, sorted(set(TRAINED_BY.values())), echo=logger.info)
         # a model directory counts once it holds a config (GRPO leaves models/critic with its meta file only)
         kinds = [k for k in ("reward", "critic", "actor") if (root_path / MODEL_DIRS[k] / "config.json").is_file()]
         try:

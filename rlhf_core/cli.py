@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
-from rlhf_core.launch import record_stopped
+from rlhf_core.launch import LAUNCH_ENV, record_stopped, relaunch_command
 from rlhf_core.stages import CHECKPOINTED_STAGES, STAGES, exit_codes
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
@@ -66,6 +66,11 @@ def stage_cmd(
     Example: rlhf stage prepare -S data.max_prompt_len=64
     """
     fn = resolve_stage(name)
+    relaunch = relaunch_command(sys.argv[1:])
+    if relaunch:  # $RLHF_LAUNCH: this stage runs as several processes under the launcher
+        os.environ.pop(LAUNCH_ENV)  # its workers run the stage (never relaunch, whatever the launcher sets)
+        sys.stdout.flush()
+        os.execvp(relaunch[0], relaunch)
     try:
         params = load_params(params_file, set_)
     except ConfigError as err:
@@ -158,6 +163,51 @@ def cache_verify(
                                         f"{', '.join(report.skipped)}" if report.skipped else ""), highlight=False)
     if report.damaged:
         fail("\n".join(report.damaged), code=exit_codes.BAD_INPUT)
+
+
+@app.command("repro")
+def repro_cmd(
+    name: str = typer.Argument(..., help="Stage to run: prepare | sft | rm | rlhf | evaluate."),
+    remote: str = typer.Option(..., "--remote", envvar="RLHF_DVC_REMOTE",
+                               help="DVC remote URL (s3://bucket/path, gs://..., a path); env RLHF_DVC_REMOTE."),
+    params_file: Path | None = typer.Option(None, "--params", "-p", help="Params file for this run (uploaded to "
+                                                                         "the remote); default: the remote's."),
+    force: bool = typer.Option(False, "--force", help="Run the stage even if DVC finds it up to date."),
+) -> None:
+    """Run one stage under DVC in this folder against a shared remote, with no git (a stage pod's command).
+
+    Pulls dvc.lock, params and the stage's inputs from the remote, skips the stage when nothing it depends
+    on changed, pushes its outputs and the new dvc.lock after a run (rlhf_core/dvc_remote.py). Exits with
+    the stage's own code (75: stopped on SIGTERM after a checkpoint; SIGTERM is passed on to the stage).
+
+    Example: AWS_ENDPOINT_URL=http://minio:9000 rlhf repro sft --remote s3://ml/rlhf
+    """
+    import signal
+
+    from rlhf_core.dvc_remote import RemoteStateError, repro
+    from rlhf_core.dvc_repro import signal_stage
+
+    if params_file is not None and not params_file.is_file():
+        fail(f"--params {params_file}: no such file")
+    child = {}
+
+    def forward(signum, _frame):
+        if "proc" in child:
+            signal_stage(child["proc"], signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        outcome = repro(name, Path.cwd(), remote, params_file, force, echo=lambda line: print(line, flush=True),
+                        started=lambda proc: child.update(proc=proc))
+    except RemoteStateError as err:
+        fail(str(err), code=exit_codes.BAD_CONFIG if err.missing_params else exit_codes.CRASHED)
+    except OSError as err:  # the remote: unreachable, denied (fsspec, botocore raise OSError subclasses)
+        fail(f"remote {remote}: {err}", code=exit_codes.CRASHED)
+    if outcome.returncode != 0:
+        code = outcome.stage_code
+        fail(f"stage {name} failed ({exit_codes.describe(code)})", code=exit_codes.CRASHED if code is None
+             else code if code >= 0 else 128 - code)
+    console.print(f"[green]{name} {outcome.status}[/green] (remote {remote})", highlight=False)
 
 
 # --------------------------------------------------------------------------- benchmarks

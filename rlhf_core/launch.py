@@ -31,6 +31,18 @@ from rlhf_core.stages import exit_codes
 DEFAULT_SHUTDOWN_TIMEOUT_S = 870  # above compute.stop_grace_s (600) plus a checkpoint write
 KUBELET_MARGIN_S = 30  # torchrun's own SIGKILL comes this long before the kubelet's
 STOPPED_DIR_ENV = "RLHF_LAUNCH_STOPPED_DIR"
+LAUNCH_ENV = "RLHF_LAUNCH"  # a launcher command line `rlhf stage` re-executes itself under (a pod under DVC)
+
+
+def relaunch_command(argv: list[str]) -> list[str] | None:
+    """Where ``$RLHF_LAUNCH`` names a launcher (``python -m rlhf_core.launch --standalone --nproc_per_node=4``)
+    and this process is not one of its workers (no ``LOCAL_RANK``): the command running ``rlhf ARGV`` under it,
+    ``LAUNCHER -m rlhf_core.cli ARGV``. DVC can then run a multi-process stage through the one command in
+    ``dvc.yaml``. ``None``: run here."""
+    launch = os.environ.get(LAUNCH_ENV, "").split()
+    if not launch or "LOCAL_RANK" in os.environ:
+        return None
+    return [*launch, "-m", "rlhf_core.cli", *argv]
 
 
 def record_stopped() -> None:

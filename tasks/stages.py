@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
+from rlhf_core.dvc_remote import fetch_state
+from rlhf_core.dvc_repro import ran_marker, run_repro, stage_env
 from rlhf_core.flow_watch import FLOW_PID_ENV
 from rlhf_core.paths import METRICS
 from rlhf_core.stages import STAGE_TIMEOUT_S, exit_codes
@@ -31,73 +29,42 @@ from tasks.errors import StageFailed
 from tasks.k8s.submit import submit_stage_job
 from tasks.retry_policy import retry_transient
 
-SKIP_MARKER = "didn't change, skipping"
-DVC_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)")
-STOP_GRACE_S = 30.0  # an interrupted task gives its stage process this long to exit after SIGTERM
-
-
-def stage_exit_code(lines: list[str]) -> int | None:
-    """The stage command's exit code from DVC's ``failed to run: CMD, exited with N`` line (DVC itself exits 255)."""
-    for line in reversed(lines):
-        found = DVC_EXIT.search(line)
-        if found:
-            return int(found.group(1))
-    return None
-
-
-def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The caller's environment with this interpreter's bin dir first on PATH (so ``rlhf`` resolves)."""
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(extra or {})
-    return env
-
 
 def dvc_repro_stage(stage: str, root: Path, env: dict[str, str], force: bool, echo) -> str:
-    """Run ``dvc repro --single-item STAGE``; returns ``"ran"`` or ``"skipped"``; raises :class:`StageFailed`.
+    """Run ``dvc repro --single-item STAGE`` (``rlhf_core.dvc_repro``); returns ``"ran"`` or ``"skipped"``;
+    raises :class:`StageFailed` with the stage's exit code.
 
     DVC and the stage run in their own process group: when this call is interrupted (task timeout, flow
-    cancellation, Ctrl-C) the group gets SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`, so no stage process
+    cancellation, Ctrl-C) the group gets SIGTERM, then SIGKILL after ``STOP_GRACE_S``, so no stage process
     outlives the task that started it. Should this process itself be killed outright, the stage notices and
     stops at its next step boundary with a checkpoint (``rlhf_core.flow_watch``).
     """
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
     env = {**env, FLOW_PID_ENV: str(os.getpid())}  # the stage stops if this process dies (rlhf_core.flow_watch)
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
-    tail: list[str] = []
-    skipped = False
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            line = line.rstrip()
-            if not line:
-                continue
-            echo(line)
-            skipped |= SKIP_MARKER in line
-            tail = (tail + [line])[-20:]
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            stop_process_group(proc, echo)
-    if proc.returncode != 0:
-        code = stage_exit_code(tail)
-        raise StageFailed(f"stage {stage!r} failed ({exit_codes.describe(code)}):\n" + "\n".join(tail), code)
-    return "skipped" if skipped else "ran"
+    outcome = run_repro(stage, root, env, echo, force=force)
+    if outcome.returncode != 0:
+        code = outcome.stage_code
+        raise StageFailed(f"stage {stage!r} failed ({exit_codes.describe(code)}):\n" + "\n".join(outcome.tail), code)
+    return outcome.status
 
 
-def stop_process_group(proc: subprocess.Popen, echo) -> None:
-    """SIGTERM ``proc``'s process group, SIGKILL it after :data:`STOP_GRACE_S`."""
-    echo(f"stopping stage process group {proc.pid} (SIGTERM, SIGKILL after {STOP_GRACE_S:.0f}s)")
-    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait_s)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def kubernetes_stage(stage: str, root: Path, env: dict[str, str] | None, k8s: dict, echo) -> str:
+    """The stage's Job; returns ``"ran"`` or ``"skipped"``. Under a DVC remote (``k8s["dvc_remote"]``) the pod
+    says which (DVC's lines stream through ``echo``), and the state's files (``dvc.lock``, metrics, reports) are
+    then fetched into ``root``; without one the stage always runs."""
+    seen: list[bool] = []
+
+    def log(line: str) -> None:
+        echo(line)
+        if ran_marker(stage) in line:
+            seen.append(True)
+
+    submit_stage_job(stage, env=env, log=log, **k8s)
+    remote = k8s.get("dvc_remote")
+    if not remote:
+        return "ran"
+    fetched = fetch_state(root, remote)
+    echo(f"fetched {', '.join(fetched) or 'nothing'} from {remote}")
+    return "ran" if seen else "skipped"
 
 
 def read_stage_metrics(stage: str, root: Path) -> dict:
@@ -116,8 +83,7 @@ def run_stage(stage: str, root: str = ".", backend: str = "local", env: dict[str
     if backend == "local":
         status = dvc_repro_stage(stage, root_path, stage_env(env), force, logger.info)
     elif backend == "kubernetes":
-        submit_stage_job(stage, env=env, log=logger.info, **(k8s or {}))
-        status = "ran"
+        status = kubernetes_stage(stage, root_path, env, k8s or {}, logger.info)
     else:
         raise ValueError(f"unknown backend {backend!r}; expected local or kubernetes")
     seconds = round(time.monotonic() - start, 1)

@@ -99,6 +99,24 @@ def prefect_server(tmp: Path):
 TEST_DEFAULTS = {"rm": {"ensemble": 1}}
 
 
+@contextmanager
+def s3_server(tmp: Path, bucket: str = "rlhf-test"):
+    """A real S3-compatible server, ``moto_server`` on a loopback port, with ``bucket`` created; yields the
+    environment that points boto3, s3fs and DVC's S3 remote at it (``AWS_ENDPOINT_URL`` and dummy keys)."""
+    port = free_port()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    log = tmp / "moto.log"
+    with background([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                    log) as proc:
+        wait_http(f"{env['AWS_ENDPOINT_URL']}/moto-api/", 60, proc, log)
+        import boto3
+
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
+                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield env
+
+
 def project_copy(dst: Path, params: dict | None = None) -> Path:
     """A git checkout of this project (tracked + untracked files) with ``TEST_DEFAULTS``, then ``params``, merged
     into params.yaml."""

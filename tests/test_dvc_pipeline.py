@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from flows.local_pipeline import ensure_dvc
-from tasks.stages import stage_env
+from rlhf_core.dvc_repro import stage_env
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_core.dvc_repro import stage_exit_code
 from rlhf_core.stages import exit_codes
 from tasks.errors import StageFailed
 from tasks.k8s.submit import StageJobFailed, StageJobTimeout
 from tasks.retry_policy import transient
-from tasks.stages import dvc_repro_stage, stage_exit_code
+from tasks.stages import dvc_repro_stage
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -65,6 +65,9 @@ class StageJobOptions:
     priority_class: str | None = None  # the pods' priorityClassName (preemption order)
     # SIGTERM -> SIGKILL: above compute.stop_grace_s (600) plus one checkpoint write, so a preempted stage saves
     termination_grace_s: int = 900
+    # A DVC remote (s3://bucket/path, gs://..., an S3-compatible server through AWS_ENDPOINT_URL in rlhf-endpoints):
+    # the stage runs under DVC against it, `rlhf repro NAME` (pull, skip when unchanged, push; rlhf_core/dvc_remote.py)
+    dvc_remote: str | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGE_NAMES:
@@ -93,6 +96,9 @@ class StageJobOptions:
             check_name("queue", self.queue)
         if self.priority_class is not None:
             check_name("priority_class", self.priority_class)
+        if self.dvc_remote is not None and self.nnodes > 1:
+            raise ValueError("dvc_remote runs the stage under DVC in one pod; with nnodes > 1 use the shared "
+                             "workspace volume without a remote (docs/kubernetes.md)")
 
     @classmethod
     def from_dict(cls, stage: str, options: dict) -> StageJobOptions:
@@ -176,3 +182,13 @@ def job_namespaces(common: BaseModel | dict | None, per_stage: dict | None) -> l
 
     found = {namespace(layer) for layer in [common, *(per_stage or {}).values()] if layer is not None}
     return sorted((found - {None}) | ({NAMESPACE} if namespace(common) is None else set()))
+
+
+def pipeline_dvc_remote(common: BaseModel | dict | None, per_stage: dict | None) -> str | None:
+    """The flow's DVC remote, ``k8s.dvc_remote``; setting it for one stage is refused: the stages share one state
+    (``dvc.lock``) on the remote."""
+    for stage, layer in (per_stage or {}).items():
+        value = layer.get("dvc_remote") if isinstance(layer, dict) else getattr(layer, "dvc_remote", None)
+        if value is not None:
+            raise ValueError(f"k8s_stages[{stage!r}].dvc_remote: the DVC remote is the pipeline's, set it in k8s")
+    return common.get("dvc_remote") if isinstance(common, dict) else getattr(common, "dvc_remote", None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rlhf_core.launch import KUBELET_MARGIN_S
+from rlhf_core.launch import KUBELET_MARGIN_S, LAUNCH_ENV
 from rlhf_core.stages import exit_codes
 from tasks.k8s.names import (
     COMPLETION_INDEX_ANNOTATION,
@@ -37,6 +37,21 @@ def launcher(termination_grace_s: int) -> list[str]:
     """torchrun's command line through ``rlhf_core.launch``: its workers get the pod's grace less the kubelet's
     margin to checkpoint after a SIGTERM (torchrun's own default is 30 s)."""
     return ["python", "-m", "rlhf_core.launch", f"--shutdown-timeout={termination_grace_s - KUBELET_MARGIN_S}"]
+
+
+def repro_command(stage: str, remote: str, params_path: str | None) -> list[str]:
+    """Under DVC against a remote: ``rlhf repro NAME --remote URL [--params FILE]`` (``rlhf_core/dvc_remote.py``);
+    without ``params_path`` the params come from the remote (the flow uploads them)."""
+    return ["rlhf", "repro", stage, "--remote", remote, *(["--params", params_path] if params_path else [])]
+
+
+def launch_env(nproc_per_node: int, termination_grace_s: int) -> dict[str, str]:
+    """``RLHF_LAUNCH`` for several processes under DVC: DVC runs ``rlhf stage NAME``, which re-executes itself
+    under this launcher (``rlhf_core.launch.relaunch_command``)."""
+    if nproc_per_node == 1:
+        return {}
+    return {LAUNCH_ENV: " ".join([*launcher(termination_grace_s), "--standalone",
+                                  f"--nproc_per_node={nproc_per_node}"])}
 
 
 def stage_command(stage: str, params_path: str = "params.yaml", nnodes: int = 1, nproc_per_node: int = 1,
@@ -82,9 +97,10 @@ def security_context_container() -> dict:
     }
 
 
-def stage_env(extra: dict[str, str] | None, image: str | None = None) -> list[dict]:
+def stage_env(extra: dict[str, str] | None, image: str | None = None, object_store: bool = False) -> list[dict]:
     """Endpoints from the ``rlhf-endpoints`` ConfigMap, credentials as optional Secret references, and
-    ``RLHF_IMAGE`` (the image reference, for lineage: the image has no ``.git``).
+    ``RLHF_IMAGE`` (the image reference, for lineage: the image has no ``.git``). ``object_store``: also the
+    S3 credentials and endpoint a DVC remote needs (``AWS_ENDPOINT_URL``: MinIO or another S3-compatible server).
 
     ``extra`` (plain values, e.g. the flow's parent MLflow run id) replaces entries of the same name.
     """
@@ -104,6 +120,8 @@ def stage_env(extra: dict[str, str] | None, image: str | None = None) -> list[di
         secret("MLFLOW_TRACKING_USERNAME"),
         secret("MLFLOW_TRACKING_PASSWORD"),
         secret("HF_TOKEN"),
+        *([secret("AWS_ACCESS_KEY_ID"), secret("AWS_SECRET_ACCESS_KEY"), cm("AWS_ENDPOINT_URL", optional=True),
+           cm("AWS_DEFAULT_REGION", optional=True)] if object_store else []),
         {"name": "HF_HOME", "value": f"{WORKSPACE_DIR}/.cache/huggingface"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
@@ -184,9 +202,14 @@ def render_stage_job(opts: StageJobOptions) -> dict:
     flow that has already written the workspace's params passes ``seed_params=False``.
     """
     name, nnodes = opts.job_name, opts.nnodes
-    command = stage_command(opts.stage, opts.params_path, nnodes, opts.procs_per_node, job_name=name, service=name,
-                            termination_grace_s=opts.termination_grace_s)
-    pod_env = stage_env(opts.env, opts.image)
+    if opts.dvc_remote:
+        command = repro_command(opts.stage, opts.dvc_remote, opts.params_path if opts.seed_params else None)
+        pod_env = stage_env({**launch_env(opts.procs_per_node, opts.termination_grace_s), **(opts.env or {})},
+                            opts.image, object_store=True)
+    else:
+        command = stage_command(opts.stage, opts.params_path, nnodes, opts.procs_per_node, job_name=name,
+                                service=name, termination_grace_s=opts.termination_grace_s)
+        pod_env = stage_env(opts.env, opts.image)
     if nnodes > 1:
         # Declared explicitly (the Job controller injects the same) so $(JOB_COMPLETION_INDEX) expands in `command`.
         pod_env = [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {

@@ -33,6 +33,13 @@ from tasks.k8s.render import (
 )
 
 
+def no_dvc_remote(opts: StageJobOptions) -> None:
+    """The operators' kinds run torchrun in every pod; under DVC a stage runs in one pod (``kind: job``)."""
+    if opts.dvc_remote:
+        raise ValueError("dvc_remote runs a stage under DVC in one pod: render it as a Job (--kind job); the "
+                         "multi-node kinds use the shared workspace volume")
+
+
 def render_pytorchjob(opts: StageJobOptions) -> dict:
     """A Kubeflow ``PyTorchJob`` (kubeflow.org/v1, training operator) for a multi-node stage.
 
@@ -40,6 +47,7 @@ def render_pytorchjob(opts: StageJobOptions) -> dict:
     ``MASTER_PORT`` and ``RANK`` (the node rank) in each; torchrun takes them from there.
     The pod shape (security, volumes, /dev/shm, env) is the stage Job's.
     """
+    no_dvc_remote(opts)
     if opts.stage == "prepare":
         raise ValueError("the prepare stage is not distributed; run it as a Job")
     name, nnodes = opts.job_name, opts.nnodes
@@ -90,6 +98,7 @@ def render_jobset(opts: StageJobOptions) -> dict:
     * Rendezvous: JobSet publishes the pods under a headless Service named after it; rank 0 is
       ``<name>-node-0-0.<name>``.
     """
+    no_dvc_remote(opts)
     if opts.stage == "prepare":
         raise ValueError("the prepare stage is not distributed; run it as a Job")
     name = opts.job_name
@@ -155,6 +164,7 @@ def render_trainjob(opts: StageJobOptions) -> dict:
     ``workingDir`` (the image's ``WORKDIR`` is ``/workspace``). The lifecycle (restarts, failure policy, TTL)
     is the runtime's: ``backoff_limit`` and ``ttl_s`` do not apply; ``activeDeadlineSeconds`` does.
     """
+    no_dvc_remote(opts)
     if opts.stage == "prepare":
         raise ValueError("the prepare stage is not distributed; run it as a Job")
     name = opts.job_name

@@ -1,0 +1,159 @@
+"""Stages under DVC against a shared S3 remote with no git (``rlhf repro``, ``rlhf_core/dvc_remote.py``), as
+cluster pods run them: against a real S3-compatible server (moto) on loopback, real DVC with ``dvc-s3``.
+
+Each "pod" is a fresh folder: it shares nothing with the others but the remote. A toy project (``dvc.yaml``
+with shell stages, a code file) keeps the mechanics fast; one test runs the real ``prepare`` stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+import yaml
+
+from rlhf_core.dvc_remote import STATE_DIR, pull_outputs
+from tests.servers import REPO, s3_server
+
+pytestmark = pytest.mark.slow
+BUCKET = "rlhf-test"
+
+TOY_PIPELINE = {"stages": {
+    "a": {"cmd": "mkdir -p outa metrics && cat code/a.txt > outa/f && echo \"$(cat code/a.txt)\" >> ran-a.log "
+                 "&& echo '{\"a\": 1}' > metrics/a.json",
+          "deps": ["code/a.txt"], "params": ["a"], "outs": ["outa"],
+          "metrics": [{"metrics/a.json": {"cache": False}}]},
+    "b": {"cmd": "cat outa/f > outb && echo '{\"b\": 2}' > metrics/b.json && { [ -z \"$RLHF_TOY_EXIT\" ] || exit $RLHF_TOY_EXIT; }",
+          "deps": ["outa"], "outs": ["outb"], "metrics": [{"metrics/b.json": {"cache": False}}]},
+    "slow": {"cmd": f"{sys.executable} -c \"import signal, sys, time; "
+                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); open('started', 'w').close(); "
+                    "time.sleep(120)\"",
+             "deps": ["code/a.txt"], "outs": ["outslow"]},
+}}
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with s3_server(tmp_path_factory.mktemp("moto"), BUCKET) as env:
+        yield env
+
+
+@pytest.fixture
+def toy(tmp_path, s3, monkeypatch):
+    """The toy project (``RLHF_PROJECT_DIR``), its params file, and the S3 environment in ``os.environ``."""
+    project = tmp_path / "project"
+    (project / "code").mkdir(parents=True)
+    (project / "dvc.yaml").write_text(yaml.safe_dump(TOY_PIPELINE, sort_keys=False))
+    (project / "code" / "a.txt").write_text("v1\n")
+    (tmp_path / "params.yaml").write_text("a: {x: 1}\n")
+    monkeypatch.setenv("RLHF_PROJECT_DIR", str(project))
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    return project
+
+
+def repro(pod: Path, stage: str, remote: str, *args: str, expect: int = 0, env: dict | None = None) -> str:
+    pod.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "repro", stage, "--remote", remote, *args],
+                          cwd=pod, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == expect, f"rlhf repro {stage}: exit {proc.returncode}\n{out}"
+    return out
+
+
+def state_keys(prefix: str) -> set[str]:
+    listed = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+    return {o["Key"][len(prefix) + 1:] for o in listed}
+
+
+def test_a_stage_runs_once_then_other_pods_skip_it_and_pull_its_outputs(toy, tmp_path):
+    remote = f"s3://{BUCKET}/once"
+    out = repro(tmp_path / "pod1", "a", remote, "--params", str(tmp_path / "params.yaml"))
+    assert "Running stage 'a'" in out and "a ran" in out
+    keys = state_keys("once")
+    assert {f"{STATE_DIR}/params.yaml", f"{STATE_DIR}/dvc.lock", f"{STATE_DIR}/metrics/a.json"} <= keys
+    assert any(k.startswith("files/md5/") for k in keys), keys  # the output itself, in DVC's layout
+
+    out = repro(tmp_path / "pod2", "a", remote)  # a fresh pod, params from the remote: nothing changed
+    assert "Running stage 'a'" not in out and "a skipped" in out
+    out = repro(tmp_path / "pod3", "b", remote)  # b's input comes from the remote, not from pod1
+    assert "Running stage 'b'" in out
+    assert (tmp_path / "pod3" / "outb").read_text() == "v1\n"
+    lock = yaml.safe_load((tmp_path / "pod3" / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"a", "b"}
+
+    reader = tmp_path / "flow"  # the registering flow: outputs from the remote only
+    pull_outputs(reader, remote, ["a", "b", "slow"], echo=lambda _line: None)
+    assert (reader / "outa" / "f").read_text() == "v1\n" and (reader / "outb").read_text() == "v1\n"
+    assert json.loads((reader / "metrics" / "b.json").read_text()) == {"b": 2}
+    assert not (reader / "outslow").exists()  # never ran: not in the lock, left out
+
+
+def test_changed_params_or_code_rerun_the_stage(toy, tmp_path):
+    remote = f"s3://{BUCKET}/changes"
+    params = tmp_path / "params.yaml"
+    repro(tmp_path / "pod1", "a", remote, "--params", str(params))
+    params.write_text("a: {x: 2}\n")
+    assert "Running stage 'a'" in repro(tmp_path / "pod2", "a", remote, "--params", str(params))
+    assert "Running stage 'a'" not in repro(tmp_path / "pod3", "a", remote)  # the new params are the state's
+    (toy / "code" / "a.txt").write_text("v2\n")  # a new image: the copied code differs
+    assert "Running stage 'a'" in repro(tmp_path / "pod3", "a", remote)
+    reader = tmp_path / "flow"
+    pull_outputs(reader, remote, ["a"], echo=lambda _line: None)
+    assert (reader / "outa" / "f").read_text() == "v2\n"
+
+
+def test_no_params_anywhere_is_bad_config_naming_the_state(toy, tmp_path):
+    out = repro(tmp_path / "pod", "a", f"s3://{BUCKET}/empty", expect=2)
+    assert f"s3://{BUCKET}/empty/{STATE_DIR}/params.yaml does not exist" in out
+
+
+def test_a_failed_stage_exits_with_its_code_and_leaves_the_state(toy, tmp_path):
+    remote = f"s3://{BUCKET}/failing"
+    repro(tmp_path / "pod1", "a", remote, "--params", str(tmp_path / "params.yaml"))
+    before = boto3.client("s3").get_object(Bucket=BUCKET, Key=f"failing/{STATE_DIR}/dvc.lock")["Body"].read()
+    out = repro(tmp_path / "pod2", "b", remote, expect=65, env={"RLHF_TOY_EXIT": "65"})
+    assert "exit 65 (bad input)" in out
+    after = boto3.client("s3").get_object(Bucket=BUCKET, Key=f"failing/{STATE_DIR}/dvc.lock")["Body"].read()
+    assert after == before and f"{STATE_DIR}/metrics/b.json" not in state_keys("failing")
+
+
+def test_sigterm_reaches_the_stage_and_its_exit_75_is_kept(toy, tmp_path):
+    pod = tmp_path / "pod"
+    pod.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "repro", "slow", "--remote",
+                             f"s3://{BUCKET}/term", "--params", str(tmp_path / "params.yaml")], cwd=pod,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (pod / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # what the kubelet sends the container's first process
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out
+    assert "stopped on SIGTERM, checkpointed" in out
+
+
+def test_the_real_prepare_stage_runs_once_across_pods(tmp_path, s3, monkeypatch):
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("RLHF_PROJECT_DIR", raising=False)  # this checkout's dvc.yaml and sources
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["data"]["demo"]["n_rows"] = 300
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    remote = f"s3://{BUCKET}/real"
+    assert "Running stage 'prepare'" in repro(tmp_path / "pod1", "prepare", remote, "--params",
+                                              str(tmp_path / "params.yaml"))
+    out = repro(tmp_path / "pod2", "prepare", remote)
+    assert "prepare skipped" in out
+    assert (tmp_path / "pod2" / "data/prepared/sft.parquet").read_bytes() == \
+        (tmp_path / "pod1" / "data/prepared/sft.parquet").read_bytes()  # an up-to-date stage's outputs pulled
+    assert (tmp_path / "pod2" / "rlhf_core" / "stages" / "prepare.py").read_text() == \
+        (REPO / "rlhf_core" / "stages" / "prepare.py").read_text()  # the code the lock hashes is the code that ran
