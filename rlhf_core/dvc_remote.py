@@ -136,7 +136,8 @@ class RemoteState:
         from fsspec.core import url_to_fs
 
         self.where = f"{url.rstrip('/')}/{STATE_DIR}"
-        self.fs, self.path = url_to_fs(self.where)
+        # a fresh instance: fsspec caches instances and their listings, and the pods write between two reads
+        self.fs, self.path = url_to_fs(self.where, skip_instance_cache=True)
 
     def _remote(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}"
@@ -144,6 +145,7 @@ class RemoteState:
     def download(self, root: Path, names: Sequence[str]) -> list[str]:
         """Fetch each of ``names`` the state holds into ``root`` (each replaced atomically); returns those found."""
         found = []
+        self.fs.invalidate_cache()
         for name in names:
             remote = self._remote(name)
             if not self.fs.exists(remote):

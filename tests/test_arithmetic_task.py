@@ -8,6 +8,7 @@ import re
 
 import pandas as pd
 import pytest
+import torch
 
 from rlhf_core.rewards import get_checker, get_reward_fn
 from rlhf_core.rewards.arithmetic import (
@@ -144,3 +145,45 @@ def test_base_negatives_without_an_imported_model_is_an_error(workspace, tiny_ch
                     "data.data_split=[1,1,1]", "data.max_prompt_len=64", "data.max_response_len=6")
     with pytest.raises(DataError, match="data.arithmetic.base_negatives"):
         prepare(p)
+
+
+def test_base_negatives_reject_the_imported_models_own_wrong_answers(workspace, tiny_chat_tokenizer_dir):
+    """A tiny random Llama imported from a local HF folder answers at random: the first pairs' rejected answers
+    become its own samples where they are wrong, the rest of the pair files stay as generated."""
+    import pandas as pd
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from rlhf_core.stages.prepare import prepare
+    from tests.conftest import make_params
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_tokenizer_dir)
+    model_dir = workspace / "tiny-model"
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=256))
+    with torch.no_grad():  # every input embeds alike, so the last hidden state is one vector c: "7" gets logit 10
+        model.model.embed_tokens.weight[:] = model.model.embed_tokens.weight[0]
+        c = model.model(input_ids=torch.tensor([[1, 2, 3]])).last_hidden_state[0, -1]
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.convert_tokens_to_ids("7")] = 10 * c / c.dot(c)
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    base = ["data.source=arithmetic", "data.arithmetic.n_train=300", "data.arithmetic.n_held_out=60",
+            "data.data_split=[1,1,1]", "data.max_prompt_len=64", "data.max_response_len=6",
+            "data.arithmetic.base_max_new_tokens=4"]
+    prepare(make_params(*base, "data.arithmetic.base_negatives=0", f"model.tokenizer={tiny_chat_tokenizer_dir}"))
+    generated = {f: pd.read_parquet(f"data/prepared/{f}.parquet") for f in ("pairs", "eval_pairs")}
+    manifest = prepare(make_params(*base, "data.arithmetic.base_negatives=8", f"model.name_or_path={model_dir}",
+                                   f"model.tokenizer={tiny_chat_tokenizer_dir}"))
+    counts = manifest["base_negatives"]
+    assert counts["pairs"]["sampled"] == 8 and counts["eval_pairs"]["sampled"] >= 1
+    for name, before in generated.items():
+        after = pd.read_parquet(f"data/prepared/{name}.parquet")
+        n = counts[name]["sampled"]
+        assert len(after) == len(before) and after["chosen"].tolist() == before["chosen"].tolist()
+        assert after["rejected"][n:].tolist() == before["rejected"][n:].tolist()  # beyond the sampled: as generated
+        replaced = [a for a, b in zip(after["rejected"][:n], before["rejected"][:n], strict=True) if a != b]
+        assert len(replaced) <= counts[name].get("base_wrong", 0)  # only where the base model erred
+        assert counts[name]["base_wrong"] >= n - 1 and len(replaced) >= n - 2  # "7777" where it should not be
+        assert all(set(r) == {"7"} for r in replaced)
+        assert all(r != c for r, c in zip(after["rejected"], after["chosen"], strict=True))

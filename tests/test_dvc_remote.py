@@ -30,7 +30,8 @@ TOY_PIPELINE = {"stages": {
                  "&& echo '{\"a\": 1}' > metrics/a.json",
           "deps": ["code/a.txt"], "params": ["a"], "outs": ["outa"],
           "metrics": [{"metrics/a.json": {"cache": False}}]},
-    "b": {"cmd": "cat outa/f > outb && echo '{\"b\": 2}' > metrics/b.json && { [ -z \"$RLHF_TOY_EXIT\" ] || exit $RLHF_TOY_EXIT; }",
+    "b": {"cmd": "cat outa/f > outb && echo '{\"b\": 2}' > metrics/b.json "
+                 "&& { [ -z \"$RLHF_TOY_EXIT\" ] || exit $RLHF_TOY_EXIT; }",
           "deps": ["outa"], "outs": ["outb"], "metrics": [{"metrics/b.json": {"cache": False}}]},
     "slow": {"cmd": f"{sys.executable} -c \"import signal, sys, time; "
                     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); open('started', 'w').close(); "

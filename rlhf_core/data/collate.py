@@ -22,6 +22,7 @@ import torch
 
 from rlhf_core.algos.losses import IGNORE_INDEX
 
+
 # --------------------------------------------------------------------------- ragged storage
 @dataclass
 class Ragged:

@@ -1,4 +1,5 @@
-"""Read raw rows from local files and Hugging Face datasets.
+"""Read raw rows from files (local or any fsspec URL: ``s3://``, ``gs://``, ``hf://``) and Hugging Face datasets,
+one row at a time.
 
 Policy (see ``docs/data.md``): *structural* problems — a line that is not JSON,
 a line that is not an object, bytes that are not UTF-8, a file that cannot be
@@ -12,10 +13,10 @@ Every row comes back as ``(origin, record)`` where origin is ``"file:line"``.
 from __future__ import annotations
 
 import csv
-import io
 import json
 from collections import Counter
-from pathlib import Path
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -25,41 +26,59 @@ class DataError(ValueError):
     """A structural data problem; the message names the file and line."""
 
 
-def _decode_lines(path: Path, data: bytes, drop: bool, dropped: Counter) -> list[tuple[int, str]]:
-    lines = []
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+def _open(path: str):
+    """A binary file object for a local path or any fsspec URL (``s3://``, ``gs://``, ``hf://``, ...)."""
+    import fsspec
+
+    try:
+        fs, where = fsspec.core.url_to_fs(path, skip_instance_cache=True)  # no listing cached from before
+        if not fs.isfile(where):
+            raise DataError(f"{path}: no such data file")
+        return fs.open(where, "rb")
+    except ImportError as err:  # s3fs, gcsfs, ... not installed
+        raise DataError(f"{path}: cannot read this URL scheme here ({err})") from None
+
+
+def _lines(path: str, stream, drop: bool, dropped: Counter) -> Iterator[tuple[int, str]]:
+    """``(line number, text with its newline)`` of a binary stream, one line at a time (a line that is not UTF-8
+    is an error or, with ``drop``, counted)."""
+    for lineno, raw in enumerate(stream, start=1):
         try:
-            lines.append((lineno, raw.decode("utf-8")))
+            yield lineno, raw.decode("utf-8")
         except UnicodeDecodeError as err:
             if not drop:
                 raise DataError(f"{path}:{lineno}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
             dropped["non_utf8"] += 1
-    return lines
 
 
-def read_jsonl(path: Path, drop: bool, dropped: Counter) -> list[tuple[str, dict]]:
-    rows = []
-    for lineno, line in _decode_lines(path, path.read_bytes(), drop, dropped):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            if not drop:
-                raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} (column {err.colno})") from None
-            dropped["malformed_json"] += 1
-            continue
-        if not isinstance(obj, dict):
-            if not drop:
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            dropped["malformed_json"] += 1
-            continue
-        rows.append((f"{path}:{lineno}", obj))
-    return rows
+def iter_jsonl(path: str | Path, drop: bool, dropped: Counter) -> Iterator[tuple[str, dict]]:
+    with _open(str(path)) as stream:
+        for lineno, line in _lines(str(path), stream, drop, dropped):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                if not drop:
+                    raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} (column {err.colno})") from None
+                dropped["malformed_json"] += 1
+                continue
+            if not isinstance(obj, dict):
+                if not drop:
+                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+                dropped["malformed_json"] += 1
+                continue
+            yield f"{path}:{lineno}", obj
 
 
-def read_json(path: Path, drop: bool, dropped: Counter) -> list[tuple[str, dict]]:
-    data = path.read_bytes()
+def read_jsonl(path: str | Path, drop: bool, dropped: Counter) -> list[tuple[str, dict]]:
+    return list(iter_jsonl(path, drop, dropped))
+
+
+def iter_json(path: str, drop: bool, dropped: Counter) -> Iterator[tuple[str, dict]]:
+    """A JSON document is parsed whole (it cannot be streamed): use JSONL or Parquet for large data."""
+    with _open(path) as stream:
+        data = stream.read()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -73,51 +92,59 @@ def read_json(path: Path, drop: bool, dropped: Counter) -> list[tuple[str, dict]
         obj = obj["data"]
     if not isinstance(obj, list):
         raise DataError(f"{path}:1: expected a JSON list of objects (or {{'data': [...]}})")
-    rows = []
     for i, item in enumerate(obj):
         if not isinstance(item, dict):
             if not drop:
                 raise DataError(f"{path}: item {i}: expected a JSON object, got {type(item).__name__}")
             dropped["malformed_json"] += 1
             continue
-        rows.append((f"{path}:item{i}", item))
-    return rows
+        yield f"{path}:item{i}", item
 
 
-def read_csv(path: Path, drop: bool, dropped: Counter) -> list[tuple[str, dict]]:
-    lines = _decode_lines(path, path.read_bytes(), drop, dropped)
-    text = "\n".join(line for _, line in lines)
-    reader = csv.DictReader(io.StringIO(text))
-    return [(f"{path}:{reader.line_num}", dict(row)) for row in reader]
+def iter_csv(path: str, drop: bool, dropped: Counter) -> Iterator[tuple[str, dict]]:
+    with _open(path) as stream:
+        reader = csv.DictReader(line for _, line in _lines(path, stream, drop, dropped))
+        for row in reader:
+            yield f"{path}:{reader.line_num}", dict(row)
 
 
-def read_parquet(path: Path) -> list[tuple[str, dict]]:
+def iter_parquet(path: str, batch_rows: int = 8192) -> Iterator[tuple[str, dict]]:
+    """Row groups read one batch at a time (``pyarrow.parquet.ParquetFile.iter_batches``)."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
-    return [(f"{path}:row{i}", row) for i, row in enumerate(table.to_pylist())]
+    with _open(path) as stream:
+        i = 0
+        for batch in pq.ParquetFile(stream).iter_batches(batch_size=batch_rows):
+            for row in batch.to_pylist():
+                yield f"{path}:row{i}", row
+                i += 1
+
+
+def iter_file(path: str | Path, drop: bool = False, dropped: Counter | None = None) -> Iterator[tuple[str, dict]]:
+    """Rows of a JSONL/JSON/Parquet/CSV file, by suffix, streamed (a JSON document is read whole); ``path`` is
+    local or any fsspec URL."""
+    path = str(path)
+    dropped = dropped if dropped is not None else Counter()
+    suffix = PurePosixPath(path.split("?", 1)[0]).suffix.lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        raise DataError(f"{path}: unsupported file type {suffix!r}; expected one of {', '.join(SUPPORTED_SUFFIXES)}")
+    if suffix == ".jsonl":
+        return iter_jsonl(path, drop, dropped)
+    if suffix == ".json":
+        return iter_json(path, drop, dropped)
+    if suffix == ".csv":
+        return iter_csv(path, drop, dropped)
+    return iter_parquet(path)
 
 
 def read_file(path: str | Path, drop: bool = False, dropped: Counter | None = None) -> list[tuple[str, dict]]:
-    """Rows of a JSONL/JSON/Parquet/CSV file, by suffix."""
-    path = Path(path)
-    dropped = dropped if dropped is not None else Counter()
-    if not path.is_file():
-        raise DataError(f"{path}: no such data file")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return read_jsonl(path, drop, dropped)
-    if suffix == ".json":
-        return read_json(path, drop, dropped)
-    if suffix == ".csv":
-        return read_csv(path, drop, dropped)
-    if suffix == ".parquet":
-        return read_parquet(path)
-    raise DataError(f"{path}: unsupported file type {suffix!r}; expected one of {', '.join(SUPPORTED_SUFFIXES)}")
+    """:func:`iter_file` as a list."""
+    return list(iter_file(path, drop, dropped))
 
 
-def read_hf(hf_id: str, split: str = "train", config: str | None = None) -> list[tuple[str, dict]]:
-    """Rows of a Hugging Face dataset: a hub id, a local dataset directory, or a ``save_to_disk`` folder."""
+def iter_hf(hf_id: str, split: str = "train", config: str | None = None) -> Iterator[tuple[str, dict]]:
+    """Rows of a Hugging Face dataset: a ``save_to_disk`` folder (memory-mapped Arrow), or a Hub id or local
+    dataset folder, streamed (``load_dataset(..., streaming=True)``: nothing is loaded whole)."""
     import datasets
 
     local = Path(hf_id)
@@ -129,7 +156,11 @@ def read_hf(hf_id: str, split: str = "train", config: str | None = None) -> list
             ds = ds[split]
     else:
         try:
-            ds = datasets.load_dataset(hf_id, config, split=split)
+            ds = datasets.load_dataset(hf_id, config, split=split, streaming=True)
         except ValueError as err:  # unknown split and similar
             raise DataError(f"{hf_id} (split {split!r}): {err}") from None
-    return [(f"{hf_id}[{split}]:row{i}", row) for i, row in enumerate(ds)]
+    return ((f"{hf_id}[{split}]:row{i}", row) for i, row in enumerate(ds))
+
+
+def read_hf(hf_id: str, split: str = "train", config: str | None = None) -> list[tuple[str, dict]]:
+    return list(iter_hf(hf_id, split, config))

@@ -86,7 +86,8 @@ def checkpoint_format(path: str | Path) -> Format:
 
 # --------------------------------------------------------------------------- writing
 def save_seq_cls(model: nn.Module, directory: str | Path, pad_token_id: int | None = None) -> None:
-    """``model`` (a ``ValueHeadModel``) as a ``*ForSequenceClassification`` checkpoint (``save_pretrained``, safetensors) in ``directory``.
+    """``model`` (a ``ValueHeadModel``) as a ``*ForSequenceClassification`` checkpoint (``save_pretrained``,
+    safetensors) in ``directory``.
 
     ``pad_token_id`` (the tokenizer's; else the backbone config's) goes into the config, where HF's pooling reads
     it. The checkpoint's class is the backbone family's: it is built on the meta device and given the model's own

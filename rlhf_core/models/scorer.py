@@ -21,7 +21,6 @@ from rlhf_core.data.collate import Ragged, TokenizedSequences, concat_rows, enco
 from rlhf_core.data.tokenizer import same_tokenizer
 from rlhf_core.models.value_head import ValueHeadModel
 
-
 # Scoring with shared prompts runs two forwards (prompts, then responses on their cache); it is used when it
 # computes at most this share of the plain forward's (padded) positions (how it was set, with the measurements
 # of `python -m rlhf_core.bench.shared_prefix`: docs/results/benchmarks-gpu-passes.md).

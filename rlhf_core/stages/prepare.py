@@ -17,6 +17,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Iterator
+from itertools import chain, groupby
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,19 @@ import numpy as np
 
 from rlhf_core import paths
 from rlhf_core.atomic import write_json_atomic
-from rlhf_core.config import ColumnMap, Params, SourceConfig
+from rlhf_core.config import Params, SourceConfig
 from rlhf_core.data.normalize import normalize_rows
-from rlhf_core.data.readers import DataError, read_file, read_hf
+from rlhf_core.data.phases import (
+    CANON_COLUMNS,
+    PHASE_COLUMNS,
+    Deduper,
+    Lengths,
+    RowFile,
+    batched,
+    length_filter,
+    project,
+)
+from rlhf_core.data.readers import DataError, iter_file, iter_hf
 from rlhf_core.data.split import split_by_shares, train_eval_split
 from rlhf_core.data.tokenizer import (
     chat_renderer,
@@ -40,27 +52,30 @@ from rlhf_core.meta import build_meta, file_sha256, write_meta
 from rlhf_core.models.importing import import_base_model
 from rlhf_core.rewards import arithmetic, demo_task
 
-PHASE_COLUMNS = {
-    "sft": ("id", "prompt", "response", "answer", "source"),
-    "pairs": ("id", "prompt", "chosen", "rejected", "answer", "source"),
-    "prompts": ("id", "prompt", "answer", "source"),
-}
-RESPONSE_FIELDS = {"sft": ("response",), "pairs": ("chosen", "rejected"), "prompts": ()}
+# One pass over a raw source: (origin, record, format, source name); structural drops counted in the Counter given.
+Stream = Callable[[Counter], Iterator[tuple[str, dict, str, str]]]
 
 
 def _source_name(src: SourceConfig) -> str:
     return src.path or f"hf:{src.hf_id}[{src.hf_split}]"
 
 
-def _read_source(src: SourceConfig, drop: bool, dropped: Counter) -> list[tuple[str, dict]]:
-    if src.path is not None:
-        return read_file(src.path, drop=drop, dropped=dropped)
-    return read_hf(src.hf_id, src.hf_split, src.hf_config)
+def _source_stream(sources: list[SourceConfig], drop: bool) -> Stream:
+    def stream(dropped: Counter):
+        for src in sources:
+            rows = (iter_file(src.path, drop=drop, dropped=dropped) if src.path is not None
+                    else iter_hf(src.hf_id, src.hf_split, src.hf_config))
+            yield from ((o, r, src.format, _source_name(src)) for o, r in rows)
+    return stream
 
 
-def _texts(rows: list[tuple[str, dict]]):
+def _rows_stream(rows: list[dict], source: str) -> Stream:
+    return lambda _dropped: ((r["id"], r, "prompt_response", source) for r in rows)
+
+
+def _texts(rows: Iterator[tuple[str, dict, str, str]]):
     """Every string in the raw rows (for training the demo tokenizer)."""
-    for _, record in rows:
+    for _, record, _, _ in rows:
         for value in record.values():
             if isinstance(value, str):
                 yield value
@@ -68,87 +83,9 @@ def _texts(rows: list[tuple[str, dict]]):
                 yield from (m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
-def _project(rows: list[dict], phase: str, dropped: Counter) -> list[dict]:
-    """Keep the rows that can serve ``phase`` and map them to its columns."""
-    out = []
-    for row in rows:
-        row = dict(row)
-        if phase == "sft":
-            row["response"] = row["response"] if row["response"] is not None else row["chosen"]
-            if row["response"] is None:
-                dropped["sft:no_response"] += 1
-                continue
-        elif phase == "pairs" and (row["chosen"] is None or row["rejected"] is None):
-            dropped["pairs:no_pair"] += 1
-            continue
-        out.append({k: row.get(k) for k in PHASE_COLUMNS[phase]})
-    return out
-
-
-def _length_filter(rows: list[dict], phase: str, tok, params: Params, dropped: Counter,
-                   modified: Counter) -> tuple[list[dict], dict[str, list[int]]]:
-    """Left-truncate (or drop) over-long prompts; drop over-long responses. Returns rows and token lengths."""
-    data = params.data
-    if not rows:
-        return rows, {}
-    enc = tok([r["prompt"] for r in rows], add_special_tokens=False, return_offsets_mapping=True)
-    resp_lens = {f: [len(ids) for ids in tok([r[f] for r in rows], add_special_tokens=False)["input_ids"]]
-                 for f in RESPONSE_FIELDS[phase]}
-    kept, lengths = [], {"prompt": [], **{f: [] for f in resp_lens}}
-    for i, row in enumerate(rows):
-        n_prompt = len(enc["input_ids"][i])
-        if any(resp_lens[f][i] > data.max_response_len for f in resp_lens):
-            dropped[f"{phase}:response_too_long"] += 1
-            continue
-        if any(resp_lens[f][i] == 0 for f in resp_lens):
-            dropped[f"{phase}:empty_field"] += 1
-            continue
-        if n_prompt > data.max_prompt_len:
-            if data.truncation == "drop":
-                dropped[f"{phase}:prompt_too_long"] += 1
-                continue
-            start_char = enc["offset_mapping"][i][n_prompt - data.max_prompt_len][0]
-            row = {**row, "prompt": row["prompt"][start_char:]}
-            modified[f"{phase}:prompt_truncated_left"] += 1
-            n_prompt = data.max_prompt_len
-        kept.append(row)
-        lengths["prompt"].append(n_prompt)
-        for f in resp_lens:
-            lengths[f].append(resp_lens[f][i])
-    return kept, lengths
-
-
-def _dedupe(rows: list[dict], phase: str, dropped: Counter) -> list[dict]:
-    seen, out = set(), []
-    for row in rows:
-        key = tuple(row[k] for k in PHASE_COLUMNS[phase] if k not in ("id", "source"))
-        if key in seen:
-            dropped[f"{phase}:duplicate"] += 1
-            continue
-        seen.add(key)
-        out.append(row)
-    return out
-
-
-def _stats(values: list[int]) -> dict[str, float]:
-    if not values:
-        return {}
-    arr = np.asarray(values)
-    return {"mean": round(float(arr.mean()), 2), "p50": float(np.percentile(arr, 50)),
-            "p95": float(np.percentile(arr, 95)), "max": int(arr.max())}
-
-
-def _write_parquet(rows: list[dict], columns: tuple[str, ...], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = pa.schema([(c, pa.string()) for c in columns])
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-
-
-def load_raw(params: Params, dropped: Counter, tok=None) -> dict[str, list[tuple[str, dict, str, str]]]:
-    """Raw rows keyed by ``mixed`` (and ``held_out`` for the arithmetic task) or by phase: (origin, record, format,
-    source name). The arithmetic task renders its prompts with ``tok``'s chat template."""
+def load_raw(params: Params, tok=None) -> dict[str, Stream]:
+    """The raw rows, as streams keyed by ``mixed`` (and ``held_out`` for the arithmetic task) or by phase. The
+    arithmetic task renders its prompts with ``tok``'s chat template."""
     data = params.data
     drop = data.on_malformed == "drop"
     if data.source == "arithmetic":
@@ -159,24 +96,22 @@ def load_raw(params: Params, dropped: Counter, tok=None) -> dict[str, list[tuple
                             f"tokenizer of {source_tokenizer_path(params.model)} has none")
         train, held = arithmetic.generate(a.n_train, a.n_held_out, a.max_operand, list(a.ops), params.project.seed,
                                           a.held_out_pair_share, a.held_out_phrasings, render)
-        return {"mixed": [(r["id"], r, "prompt_response", "arithmetic") for r in train],
-                "held_out": [(r["id"], r, "prompt_response", "arithmetic") for r in held]}
+        return {"mixed": _rows_stream(train, "arithmetic"), "held_out": _rows_stream(held, "arithmetic")}
     if data.source == "demo":
         d = data.demo
         rows = demo_task.generate(d.n_rows, d.max_operand, list(d.ops), d.wrong_share, params.project.seed,
                                   d.slip_share)
-        return {"mixed": [(r["id"], r, "prompt_response", "demo") for r in rows]}
+        return {"mixed": _rows_stream(rows, "demo")}
     if data.source == "mixed":
         if not data.sources:
             raise DataError("data.sources: `source: mixed` needs at least one source")
-        return {"mixed": [(o, r, s.format, _source_name(s)) for s in data.sources
-                          for o, r in _read_source(s, drop, dropped)]}
+        return {"mixed": _source_stream(data.sources, drop)}
     out = {}
     for phase in paths.PHASES:
         src = getattr(data.files, phase)
         if src is None:
             raise DataError(f"data.files.{phase}: `source: per_phase` needs a source for every phase")
-        out[phase] = [(o, r, src.format, _source_name(src)) for o, r in _read_source(src, drop, dropped)]
+        out[phase] = _source_stream([src], drop)
     return out
 
 
@@ -191,82 +126,151 @@ def source_tokenizer(params: Params) -> Any:
     return load_tokenizer(src, params.model.trust_remote_code)
 
 
-def build_tokenizer(params: Params, raw: dict[str, list]) -> Any:
-    corpus = [t for rows in raw.values() for t in _texts([(o, r) for o, r, _, _ in rows])]
-    corpus += ["Human: Assistant:"]
+def build_tokenizer(params: Params, raw: dict[str, Stream]) -> Any:
+    """The demo tokenizer, trained on every string of the raw rows (one extra pass; its drops are not counted)."""
+    corpus = chain((t for stream in raw.values() for t in _texts(stream(Counter()))), ["Human: Assistant:"])
     return train_demo_tokenizer(corpus, params.model.tiny.vocab_size)
 
 
-def _base_negatives(params: Params, model, tok, train: list[dict], evals: list[dict]) -> dict:
+def _base_negatives(params: Params, model, tok, prepared: Path) -> dict:
     """The arithmetic pairs' rejected answers from the imported base model's own samples
-    (``data.base_negatives`` training pairs, and the same share of the held-out pairs); returns the counts."""
+    (``data.base_negatives`` training pairs, and the same share of the held-out pairs), rewritten into
+    ``prepared``'s pair files (the task's data is small); returns the counts."""
     from rlhf_core.data.base_negatives import replace_with_base_errors
 
     a = params.data.arithmetic
     if model is None:
         raise DataError(f"data.arithmetic.base_negatives: {a.base_negatives} pairs sample the base model, but "
                         "model.name_or_path is null (no model is imported); set it or base_negatives: 0")
-    n_eval = round(len(evals) * min(1.0, a.base_negatives / max(1, len(train))))
+    files = {name: RowFile(prepared / f"{name}.parquet", PHASE_COLUMNS["pairs"]) for name in ("pairs", "eval_pairs")}
+    rows = {name: f.read() for name, f in files.items()}
+    n_eval = round(len(rows["eval_pairs"]) * min(1.0, a.base_negatives / max(1, len(rows["pairs"]))))
     out = {}
-    for name, rows in (("pairs", train[:a.base_negatives]), ("eval_pairs", evals[:n_eval])):
-        out[name] = dict(replace_with_base_errors(model, tok, rows, a.base_max_new_tokens, params.project.seed,
-                                                  arithmetic.final_number, arithmetic.render_answer))
+    for name, n in (("pairs", a.base_negatives), ("eval_pairs", n_eval)):
+        out[name] = dict(replace_with_base_errors(model, tok, rows[name][:n], a.base_max_new_tokens,
+                                                  params.project.seed, arithmetic.final_number,
+                                                  arithmetic.render_answer))
+        rewritten = RowFile(files[name].path, files[name].columns)
+        rewritten.write(rows[name])
+        rewritten.close()
     return out
 
 
+def _source_names(params: Params) -> str | list[str]:
+    data = params.data
+    if data.source in ("demo", "arithmetic"):
+        return data.source if data.source == "demo" else [data.source]
+    sources = data.sources if data.source == "mixed" else [getattr(data.files, ph) for ph in paths.PHASES]
+    return sorted({_source_name(src) for src in sources})
+
+
+def _build_phases(params: Params, raw: dict[str, Stream], tok, work: Path, out: Path, dropped: Counter,
+                  modified: Counter) -> tuple[dict[str, int], dict]:
+    """The raw streams -> ``out/{phase,eval_phase}.parquet`` through files in ``work``, a batch at a time
+    (``rlhf_core.data.phases``); returns the row counts and the token statistics.
+
+    Pass 1 normalises each stream into a canonical row file; the phases are then cut by ``data_split`` over the
+    row count (the same permutation as holding every row in memory), pass 2 filters each phase's rows, and
+    pass 3 splits each phase into train and eval (or takes the task's own held-out rows as eval).
+    """
+    data, seed = params.data, params.project.seed
+    render = chat_renderer(tok)
+
+    def canon(key: str) -> RowFile:
+        rows = RowFile(work / f"canon-{key}.parquet", CANON_COLUMNS)
+        for batch in batched(raw[key](dropped)):
+            for (fmt, src), group in groupby(batch, key=lambda row: (row[2], row[3])):
+                rows.write(normalize_rows([(o, r) for o, r, _, _ in group], fmt, data.columns, render, dropped,
+                                          src))
+        return rows.close()
+
+    def phases_of(rows: RowFile, phase: str | None) -> np.ndarray:
+        """Each canonical row's phase index: cut by ``data_split``, or all ``phase``."""
+        if phase is not None:
+            return np.full(rows.count, paths.PHASES.index(phase), dtype=np.int8)
+        phase_of = np.empty(rows.count, dtype=np.int8)
+        for k, idx in enumerate(split_by_shares(rows.count, data.data_split, seed)):
+            phase_of[idx] = k
+        return phase_of
+
+    def filtered(rows: RowFile, phase_of: np.ndarray, tag: str) -> dict[str, tuple[RowFile, Lengths]]:
+        wanted = [ph for k, ph in enumerate(paths.PHASES) if (phase_of == k).any() or phase_of.size == 0]
+        files = {ph: RowFile(work / f"{tag}-{ph}.parquet", PHASE_COLUMNS[ph]) for ph in wanted}
+        lengths = {ph: Lengths() for ph in wanted}
+        dedupe = {ph: Deduper(ph) for ph in wanted}
+        offset = 0
+        for batch in rows.batches():
+            where, offset = phase_of[offset:offset + len(batch)], offset + len(batch)
+            for ph in wanted:
+                k = paths.PHASES.index(ph)
+                kept = project([row for row, p in zip(batch, where, strict=True) if p == k], ph, dropped)
+                kept, lens = length_filter(kept, ph, tok, data.max_prompt_len, data.max_response_len,
+                                           data.truncation, dropped, modified)
+                lengths[ph].add(lens)
+                files[ph].write(dedupe[ph](kept, dropped) if data.dedupe else kept)
+        return {ph: (files[ph].close(), lengths[ph]) for ph in wanted}
+
+    def checked(rows: RowFile | None, phase: str, need: int) -> RowFile:
+        count = rows.count if rows is not None else 0
+        if count < need:
+            reasons = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
+            raise DataError(f"phase {phase!r} has {count} rows after filtering (need >= {need} for train + "
+                            f"eval); dropped: {reasons}")
+        return rows
+
+    by_phase: dict[str, tuple[RowFile, Lengths]] = {}
+    if "mixed" in raw:
+        rows = canon("mixed")
+        by_phase = filtered(rows, phases_of(rows, None), "main")
+    else:
+        for ph in paths.PHASES:
+            rows = canon(ph)
+            by_phase |= filtered(rows, phases_of(rows, ph), "main")
+    held_out = None
+    if "held_out" in raw:
+        rows = canon("held_out")
+        held_out = filtered(rows, phases_of(rows, None), "held_out")
+
+    counts, token_stats = {}, {}
+    for k, phase in enumerate(paths.PHASES):
+        rows, lengths = by_phase.get(phase, (None, Lengths()))
+        rows = checked(rows, phase, 2 if held_out is None else 1)
+        token_stats[phase] = lengths.stats()
+        train, evals = RowFile(out / f"{phase}.parquet", PHASE_COLUMNS[phase]), \
+            RowFile(out / f"eval_{phase}.parquet", PHASE_COLUMNS[phase])
+        if held_out is None:
+            is_eval = np.zeros(rows.count, dtype=bool)
+            is_eval[train_eval_split(rows.count, data.eval_fraction, seed + 1 + k)[1]] = True
+            offset = 0
+            for batch in rows.batches():
+                flags, offset = is_eval[offset:offset + len(batch)], offset + len(batch)
+                train.write([row for row, e in zip(batch, flags, strict=True) if not e])
+                evals.write([row for row, e in zip(batch, flags, strict=True) if e])
+        else:  # the task's own held-out questions
+            for batch in rows.batches():
+                train.write(batch)
+            for batch in checked(held_out.get(phase, (None,))[0], phase, 1).batches():
+                evals.write(batch)
+        counts[phase], counts[f"eval_{phase}"] = train.close().count, evals.close().count
+    return counts, token_stats
+
+
 def prepare(params: Params, root: str | Path = ".") -> dict:
-    """Run the prepare stage under ``root``; returns the manifest."""
+    """Run the prepare stage under ``root``; returns the manifest. Rows stream from the sources to the prepared
+    Parquet files in bounded memory (``_build_phases``)."""
     root = Path(root)
     dropped: Counter = Counter()
     modified: Counter = Counter()
     tok = source_tokenizer(params)
-    raw = load_raw(params, dropped, tok)
+    raw = load_raw(params, tok)
     tok = tok if tok is not None else build_tokenizer(params, raw)
-    render = chat_renderer(tok)
-    cols: ColumnMap = params.data.columns
-    seed = params.project.seed
-
-    def canon(rows):
-        out = []
-        for fmt, src in dict.fromkeys((f, s) for _, _, f, s in rows):
-            subset = [(o, r) for o, r, f, s in rows if (f, s) == (fmt, src)]
-            out += normalize_rows(subset, fmt, cols, render, dropped, src)
-        return out
-
-    def by_shares(rows):
-        parts = split_by_shares(len(rows), params.data.data_split, seed)
-        return {ph: [rows[i] for i in idx] for ph, idx in zip(paths.PHASES, parts, strict=True)}
-
-    def filtered(rows, phase, need):
-        rows = _project(rows, phase, dropped)
-        rows, lengths = _length_filter(rows, phase, tok, params, dropped, modified)
-        if params.data.dedupe:
-            rows = _dedupe(rows, phase, dropped)
-        if len(rows) < need:
-            reasons = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
-            raise DataError(f"phase {phase!r} has {len(rows)} rows after filtering (need >= {need} for train + "
-                            f"eval); dropped: {reasons}")
-        return rows, lengths
-
-    by_phase = by_shares(canon(raw["mixed"])) if "mixed" in raw else {ph: canon(raw[ph]) for ph in paths.PHASES}
-    held_out = by_shares(canon(raw["held_out"])) if "held_out" in raw else None
-
-    outputs, counts, token_stats = {}, {}, {}
-    for k, phase in enumerate(paths.PHASES):
-        rows, lengths = filtered(by_phase[phase], phase, 2 if held_out is None else 1)
-        if held_out is None:
-            train_idx, eval_idx = train_eval_split(len(rows), params.data.eval_fraction, seed + 1 + k)
-            outputs[phase] = [rows[i] for i in train_idx]
-            outputs[f"eval_{phase}"] = [rows[i] for i in eval_idx]
-        else:  # the task's own held-out questions
-            outputs[phase] = rows
-            outputs[f"eval_{phase}"] = filtered(held_out[phase], phase, 1)[0]
-        token_stats[phase] = {f: _stats(v) for f, v in lengths.items()}
-
     prepared, base = root / paths.PREPARED, root / paths.BASE_MODEL
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".prepare-"))
     try:
         (tmp / "prepared").mkdir()
+        (tmp / "work").mkdir()
+        counts, token_stats = _build_phases(params, raw, tok, tmp / "work", tmp / "prepared", dropped, modified)
+        shutil.rmtree(tmp / "work")
         tok.save_pretrained(tmp / "base")
         base_meta: dict[str, Any] = {"tokenizer_source": source_tokenizer_path(params.model) or "trained:demo"}
         base_model = None
@@ -280,18 +284,11 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
             base_meta |= info
         negatives = None
         if params.data.source == "arithmetic" and params.data.arithmetic.base_negatives:
-            negatives = _base_negatives(params, base_model, tok, outputs["pairs"], outputs["eval_pairs"])
-        hashes = {}
-        for name, rows in outputs.items():
-            phase = name.removeprefix("eval_")
-            fname = f"{name}.parquet"
-            _write_parquet(rows, PHASE_COLUMNS[phase], tmp / "prepared" / fname)
-            hashes[fname] = file_sha256(tmp / "prepared" / fname)
-            counts[name] = len(rows)
+            negatives = _base_negatives(params, base_model, tok, tmp / "prepared")
+        hashes = {f"{name}.parquet": file_sha256(tmp / "prepared" / f"{name}.parquet") for name in counts}
         params_hash = params.section_hash("project", "data", "model")
         manifest = {
-            "source": params.data.source if params.data.source == "demo" else
-            sorted({s for rows in raw.values() for *_, s in rows}),
+            "source": _source_names(params),
             "params_hash": params_hash,
             "counts": counts,
             "dropped": dict(sorted(dropped.items())),
