@@ -53,9 +53,10 @@ class ColumnMap(Section):
 
 
 class SourceConfig(Section):
-    """One data source: a local file or a Hugging Face dataset."""
+    """One data source: a file (local or an object-store URL) or a Hugging Face dataset."""
 
-    path: str | None = Field(None, description="Local JSONL/JSON/Parquet/CSV file.")
+    path: str | None = Field(None, description="JSONL/JSON/Parquet/CSV file: a local path or an fsspec URL "
+                                                "(s3://, gs://, hf://); read a line or a row group at a time.")
     hf_id: str | None = Field(None, description="Hugging Face dataset id or local dataset directory.")
     hf_split: str = Field("train", description="Split to load from `hf_id`.")
     hf_config: str | None = Field(None, description="Dataset configuration name for `hf_id`.")
