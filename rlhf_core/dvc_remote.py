@@ -105,8 +105,10 @@ def _checked(proc: subprocess.CompletedProcess, what: str) -> None:
         raise RemoteStateError(f"{what} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr).strip()}")
 
 
-def prepare_workspace(root: Path, url: str, project: Path | None = None, with_sources: bool = True) -> dict:
-    """Make ``root`` a DVC project running this installation's pipeline against ``url``; returns its stages."""
+def prepare_workspace(root: Path, url: str, project: Path | None = None, with_sources: bool = True,
+                      default: bool = True) -> dict:
+    """Make ``root`` a DVC project running this installation's pipeline against ``url`` (the remote ``rlhf``,
+    the default one unless ``default`` is false); returns its stages."""
     project = project or project_dir()
     root.mkdir(parents=True, exist_ok=True)
     if not (root / ".dvc").is_dir():
@@ -124,7 +126,7 @@ def prepare_workspace(root: Path, url: str, project: Path | None = None, with_so
             else:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, dst)
-    _checked(_dvc(root, "remote", "add", "--local", "--force", "--default", REMOTE_NAME, url),
+    _checked(_dvc(root, "remote", "add", "--local", "--force", *(["--default"] * default), REMOTE_NAME, url),
              f"dvc remote add {REMOTE_NAME} {url}")
     return stages
 
@@ -223,11 +225,11 @@ def publish_params(root: Path, url: str) -> None:
 def pull_outputs(root: Path, url: str, stages_wanted: Sequence[str], echo: Callable[[str], None] = print) -> None:
     """The reader's side: ``root`` gets the state's files and the outputs of ``stages_wanted`` from the remote
     (``dvc pull STAGE...``); a stage the state's ``dvc.lock`` does not list yet is left out."""
-    stages = prepare_workspace(root, url, with_sources=False)
+    stages = prepare_workspace(root, url, with_sources=False, default=False)  # a checkout keeps its own default
     state = RemoteState(url)
     fetched = state.download(root, state_files(stages))
     locked = (yaml.safe_load((root / LOCK).read_text()) or {}).get("stages", {}) if LOCK in fetched else {}
     targets = [s for s in stages_wanted if s in locked]
     if targets:
-        _checked(_dvc(root, "pull", *targets), f"dvc pull {' '.join(targets)} from {url}")
+        _checked(_dvc(root, "pull", "--remote", REMOTE_NAME, *targets), f"dvc pull {' '.join(targets)} from {url}")
     echo(f"pulled {', '.join(targets) or 'nothing'} from {url}")

@@ -90,8 +90,14 @@ def test_a_stage_runs_once_then_other_pods_skip_it_and_pull_its_outputs(toy, tmp
     lock = yaml.safe_load((tmp_path / "pod3" / "dvc.lock").read_text())
     assert set(lock["stages"]) == {"a", "b"}
 
-    reader = tmp_path / "flow"  # the registering flow: outputs from the remote only
+    reader = tmp_path / "flow"  # the registering flow: outputs from the remote only, into a checkout of its own
+    reader.mkdir()
+    for args in (["init", "--no-scm", "-q"], ["remote", "add", "--local", "-d", "mine", str(tmp_path / "mine")]):
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=reader, check=True, capture_output=True)
     pull_outputs(reader, remote, ["a", "b", "slow"], echo=lambda _line: None)
+    default = subprocess.run([sys.executable, "-m", "dvc", "remote", "default"], cwd=reader, capture_output=True,
+                             text=True, check=True).stdout.strip()
+    assert default == "mine"  # the checkout's own default remote is left alone
     assert (reader / "outa" / "f").read_text() == "v1\n" and (reader / "outb").read_text() == "v1\n"
     assert json.loads((reader / "metrics" / "b.json").read_text()) == {"b": 2}
     assert not (reader / "outslow").exists()  # never ran: not in the lock, left out
