@@ -89,10 +89,12 @@ def uncached_outputs(stages: dict, name: str) -> list[str]:
 
 
 def source_deps(stages: dict, project: Path) -> list[str]:
-    """Dependencies no stage produces and the project holds: the code."""
+    """The top-level files and folders of the dependencies no stage produces and the project holds: the code,
+    as whole packages (``rlhf_core``, not the modules listed): ``python -m`` (torchrun's workers) puts the
+    working folder first on ``sys.path``, so a partial copy there would shadow the installed package."""
     produced = {path for stage in stages.values() for path, _ in outputs(stage)}
     deps = {path for stage in stages.values() for path, _ in _paths(stage.get("deps", []))}
-    return sorted(d for d in deps - produced if (project / d).exists())
+    return sorted({Path(d).parts[0] for d in deps - produced if (project / d).exists()})
 
 
 def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -116,6 +118,8 @@ def prepare_workspace(root: Path, url: str, project: Path | None = None, with_so
     same = root.resolve() == project.resolve()
     if not same:
         shutil.copyfile(project / "dvc.yaml", root / "dvc.yaml")
+        if (project / ".dvcignore").is_file():  # bytecode and caches are never a stage's input
+            shutil.copyfile(project / ".dvcignore", root / ".dvcignore")
     stages = read_stages(root)
     if with_sources and not same:
         for dep in source_deps(stages, project):

@@ -164,3 +164,8 @@ def test_the_real_prepare_stage_runs_once_across_pods(tmp_path, s3, monkeypatch)
         (tmp_path / "pod1" / "data/prepared/sft.parquet").read_bytes()  # an up-to-date stage's outputs pulled
     assert (tmp_path / "pod2" / "rlhf_core" / "stages" / "prepare.py").read_text() == \
         (REPO / "rlhf_core" / "stages" / "prepare.py").read_text()  # the code the lock hashes is the code that ran
+    assert (tmp_path / "pod2" / ".dvcignore").read_text() == (REPO / ".dvcignore").read_text()
+    bytecode = tmp_path / "pod2" / "rlhf_core" / "stages" / "__pycache__"
+    bytecode.mkdir()
+    (bytecode / "prepare.cpython-311.pyc").write_bytes(b"\x00" * 64)  # torchrun's `-m` imports the copy
+    assert "prepare skipped" in repro(tmp_path / "pod2", "prepare", remote)
