@@ -11,6 +11,7 @@ Only rank 0 of a distributed job logs.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import sys
@@ -148,6 +149,11 @@ def setup(params: Params, root: str | Path = ".") -> str:
     root = Path(root)
     uri = tracking_uri(params, root)
     check_reachable(uri)
+    if uri.startswith("sqlite:///") and importlib.util.find_spec("sqlalchemy") is None:
+        raise TrackingRefused(f"no MLFLOW_TRACKING_URI, and the local store {uri} needs the full mlflow, which "
+                              "this install lacks (the training core has mlflow-skinny, a tracking client): set "
+                              "MLFLOW_TRACKING_URI to a server, RLHF_TRACKING=off, or install "
+                              "rlhf-ops[orchestration]")
     if uri.startswith("sqlite:///"):
         (root / params.project.workspace).mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
