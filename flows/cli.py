@@ -18,6 +18,7 @@ from rich.table import Table
 
 from rlhf_core.cli import SET_HELP, app, console, fail
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
+from rlhf_core.tracking import importable
 
 STAGES_HELP = "Stages to run (repeatable); default: every stage in dvc.yaml."
 
@@ -286,7 +287,20 @@ def k8s_write_manifests(check: bool = typer.Option(False, "--check", help="Only 
         raise typer.Exit(1)
 
 
+ORCHESTRATION_VERBS = ("run", "register", "promote", "rollback", "deploy", "automations")
+
+
 def main() -> None:
+    """``rlhf``; the orchestration verbs say what to install where only the training core is (a stage image)."""
+    verb = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    if verb in ORCHESTRATION_VERBS:
+        missing = [m for m in ("prefect", "sqlalchemy") if not importable(m)]
+        if missing:
+            try:
+                fail(f"`rlhf {verb}` needs the orchestration extra ({', '.join(missing)} not installed here: this "
+                     "is the training core): pip install 'rlhf-ops[orchestration]'")
+            except typer.Exit as stop:  # outside the app: exit with its code, no traceback
+                sys.exit(stop.exit_code)
     app()
 
 

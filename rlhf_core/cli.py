@@ -14,6 +14,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 from rlhf_core.launch import LAUNCH_ENV, record_stopped, relaunch_command
@@ -29,7 +30,7 @@ SET_HELP = "Override a param, e.g. -S data.max_prompt_len=128 (repeatable; value
 
 
 def fail(message: str, code: int = exit_codes.BAD_CONFIG) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False)  # a message's [..] is text, not markup
     raise typer.Exit(code)
 
 

@@ -11,7 +11,7 @@ Only rank 0 of a distributed job logs.
 from __future__ import annotations
 
 import csv
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -141,6 +141,15 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
+def importable(module: str) -> bool:
+    """Whether ``module`` imports here (the training core lacks the orchestration extra's packages)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def setup(params: Params, root: str | Path = ".") -> str:
     """Point mlflow at the tracking URI, make sure the project's experiment exists and make it the active one
     (runs started later, e.g. by ``rlhf register``, land there); returns its id."""
@@ -149,7 +158,7 @@ def setup(params: Params, root: str | Path = ".") -> str:
     root = Path(root)
     uri = tracking_uri(params, root)
     check_reachable(uri)
-    if uri.startswith("sqlite:///") and importlib.util.find_spec("sqlalchemy") is None:
+    if uri.startswith("sqlite:///") and not importable("sqlalchemy"):
         raise TrackingRefused(f"no MLFLOW_TRACKING_URI, and the local store {uri} needs the full mlflow, which "
                               "this install lacks (the training core has mlflow-skinny, a tracking client): set "
                               "MLFLOW_TRACKING_URI to a server, RLHF_TRACKING=off, or install "

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -159,9 +160,19 @@ def test_versions_pinned_and_match_constraints(flavor):
         expected = constraints().get(pkg.lower())
         assert expected is None or expected == version, f"{pkg}=={version} but constraints.txt pins {expected}"
     # the project itself installs under the constraints file
-    assert re.search(r'pip install [^&]*-c constraints\.txt [^&]*"?\.\[k8s\]"?', text)
+    extra = {"gpu": r"\$\{EXTRAS\}", "cpu": "k8s"}[flavor]  # the GPU image: stages only (the core + s3)
+    assert re.search(rf'pip install [^&]*-c constraints\.txt [^&]*"?\.\[{extra}\]"?', text)
     for install in re.findall(r"pip install [^&]*", text):
         assert "--no-cache-dir" in install
+
+
+def test_the_gpu_stage_image_installs_the_training_core_without_orchestration():
+    args = dict(a.split("=", 1) for k, a in instructions(DOCKERFILES["gpu"]) if k == "ARG" and "=" in a)
+    assert args["EXTRAS"] == "s3"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    assert "prefect" not in core and "mlflow-skinny" in core and "fastapi" not in core
+    assert not any(d.startswith(("prefect", "mlflow>")) for d in project["optional-dependencies"]["s3"])
 
 
 def test_gpu_image_cuda_torch_and_deepspeed_ops():
