@@ -55,6 +55,13 @@ def _lines(path: str, stream, drop: bool, dropped: Counter) -> Iterator[tuple[in
             dropped["non_utf8"] += 1
 
 
+def _refuse(message: str, drop: bool, dropped: Counter) -> None:
+    """A structurally bad row: :class:`DataError` naming it, or (``drop``) counted as ``malformed_json``."""
+    if not drop:
+        raise DataError(message)
+    dropped["malformed_json"] += 1
+
+
 def iter_jsonl(path: str | Path, drop: bool, dropped: Counter) -> Iterator[tuple[str, dict]]:
     with _open(str(path)) as stream:
         for lineno, line in _lines(str(path), stream, drop, dropped):
@@ -63,14 +70,10 @@ def iter_jsonl(path: str | Path, drop: bool, dropped: Counter) -> Iterator[tuple
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                if not drop:
-                    raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} (column {err.colno})") from None
-                dropped["malformed_json"] += 1
+                _refuse(f"{path}:{lineno}: malformed JSON: {err.msg} (column {err.colno})", drop, dropped)
                 continue
             if not isinstance(obj, dict):
-                if not drop:
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-                dropped["malformed_json"] += 1
+                _refuse(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}", drop, dropped)
                 continue
             yield f"{path}:{lineno}", obj
 
@@ -98,9 +101,7 @@ def iter_json(path: str, drop: bool, dropped: Counter) -> Iterator[tuple[str, di
         raise DataError(f"{path}:1: expected a JSON list of objects (or {{'data': [...]}})")
     for i, item in enumerate(obj):
         if not isinstance(item, dict):
-            if not drop:
-                raise DataError(f"{path}: item {i}: expected a JSON object, got {type(item).__name__}")
-            dropped["malformed_json"] += 1
+            _refuse(f"{path}: item {i}: expected a JSON object, got {type(item).__name__}", drop, dropped)
             continue
         yield f"{path}:item{i}", item
 
