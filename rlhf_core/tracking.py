@@ -11,7 +11,7 @@ Only rank 0 of a distributed job logs.
 from __future__ import annotations
 
 import csv
-import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -142,12 +142,12 @@ EXPERIMENT_KIND = "custom_model_development"
 
 
 def importable(module: str) -> bool:
-    """Whether ``module`` imports here (the training core lacks the orchestration extra's packages)."""
+    """Whether ``module`` is installed here (the training core lacks the orchestration extra's packages). Found,
+    not imported: Prefect reads its settings once, when first imported (``flows/local_pipeline.py``)."""
     try:
-        importlib.import_module(module)
-    except ImportError:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 def setup(params: Params, root: str | Path = ".") -> str:

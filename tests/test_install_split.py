@@ -40,3 +40,13 @@ def test_a_stage_runs_on_the_training_core_and_the_local_store_names_the_fix(tmp
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "set MLFLOW_TRACKING_URI to a server, RLHF_TRACKING=off, or install rlhf-ops[orchestration]" in \
         " ".join((proc.stdout + proc.stderr).split())
+
+
+def test_the_check_does_not_import_prefect_before_the_embedded_settings(tmp_path):
+    """Prefect reads its settings when first imported; `rlhf run` sets them after this check (a check that
+    imported Prefect made the ephemeral server time out at Prefect's 20 s default, in CI)."""
+    code = ("import sys; sys.argv = ['rlhf', 'run']; import flows.cli as cli; cli.app = lambda: None; cli.main(); "
+            "print('prefect imported:', 'prefect' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and "prefect imported: False" in proc.stdout, proc.stdout + proc.stderr
