@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
@@ -24,7 +23,7 @@ from prefect.tasks import exponential_backoff
 from flows.workspace_slot import workspace_slot
 from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
-from rlhf_core.dvc_remote import publish_params, pull_outputs
+from rlhf_core.dvc_remote import publish_params, pull_outputs, read_stages
 from rlhf_core.stages import STAGE_NAMES, STAGE_TIMEOUT_S
 from tasks.events import emit_gate_event, emit_promoted_event
 from tasks.gates import evaluation_gate
@@ -51,7 +50,7 @@ def pipeline_stages(root: Path) -> list[str]:
     """The stages ``dvc.yaml`` defines, in pipeline order (all of them where there is no dvc.yaml, e.g. on k8s)."""
     if not (root / "dvc.yaml").exists():
         return list(STAGE_NAMES)
-    defined = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
+    defined = read_stages(root)
     return [s for s in STAGE_NAMES if s in defined]
 
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
+from rlhf_core.dvc_remote import REMOTE_ENV
 from rlhf_core.launch import LAUNCH_ENV, record_stopped, relaunch_command
 from rlhf_core.stages import CHECKPOINTED_STAGES, STAGES, exit_codes
 
@@ -169,8 +170,8 @@ def cache_verify(
 @app.command("repro")
 def repro_cmd(
     name: str = typer.Argument(..., help="Stage to run: prepare | sft | rm | rlhf | evaluate."),
-    remote: str = typer.Option(..., "--remote", envvar="RLHF_DVC_REMOTE",
-                               help="DVC remote URL (s3://bucket/path, gs://..., a path); env RLHF_DVC_REMOTE."),
+    remote: str = typer.Option(..., "--remote", envvar=REMOTE_ENV,
+                               help=f"DVC remote URL (s3://bucket/path, gs://..., a path); env {REMOTE_ENV}."),
     params_file: Path | None = typer.Option(None, "--params", "-p", help="Params file for this run (uploaded to "
                                                                          "the remote); default: the remote's."),
     force: bool = typer.Option(False, "--force", help="Run the stage even if DVC finds it up to date."),

@@ -36,7 +36,7 @@ from rlhf_core.dvc_repro import ReproOutcome, run_repro, stage_env
 
 STATE_DIR = "rlhf-state"
 REMOTE_NAME = "rlhf"
-REMOTE_ENV = "RLHF_DVC_REMOTE"  # the remote URL when ``--remote`` is not given (the rendered Jobs set it)
+REMOTE_ENV = "RLHF_DVC_REMOTE"  # `rlhf repro`'s remote URL when ``--remote`` is not given
 PROJECT_DIR_ENV = "RLHF_PROJECT_DIR"  # where dvc.yaml and the stage sources are (else found, see project_dir)
 IMAGE_PROJECT_DIR = Path("/opt/rlhf-ops")  # the images keep the project source there (docker/)
 PARAMS = "params.yaml"

@@ -142,11 +142,6 @@ def iter_file(path: str | Path, drop: bool = False, dropped: Counter | None = No
     return iter_parquet(path)
 
 
-def read_file(path: str | Path, drop: bool = False, dropped: Counter | None = None) -> list[tuple[str, dict]]:
-    """:func:`iter_file` as a list."""
-    return list(iter_file(path, drop, dropped))
-
-
 def iter_hf(hf_id: str, split: str = "train", config: str | None = None) -> Iterator[tuple[str, dict]]:
     """Rows of a Hugging Face dataset: a ``save_to_disk`` folder (memory-mapped Arrow), or a Hub id or local
     dataset folder, streamed (``load_dataset(..., streaming=True)``: nothing is loaded whole)."""
@@ -166,6 +161,3 @@ def iter_hf(hf_id: str, split: str = "train", config: str | None = None) -> Iter
             raise DataError(f"{hf_id} (split {split!r}): {err}") from None
     return ((f"{hf_id}[{split}]:row{i}", row) for i, row in enumerate(ds))
 
-
-def read_hf(hf_id: str, split: str = "train", config: str | None = None) -> list[tuple[str, dict]]:
-    return list(iter_hf(hf_id, split, config))

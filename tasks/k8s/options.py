@@ -175,20 +175,21 @@ def flow_stage_options(stage: str, common: BaseModel | dict | None, per_stage: d
     return merged
 
 
+def _setting(layer: BaseModel | dict | None, key: str):
+    """One key of a ``k8s`` / ``k8s_stages`` value, raw (a dict) or validated (``StageJobSettings``)."""
+    return layer.get(key) if isinstance(layer, dict) else getattr(layer, key, None)
+
+
 def job_namespaces(common: BaseModel | dict | None, per_stage: dict | None) -> list[str]:
     """The namespaces a flow's stage Jobs run in (its ``k8s`` / ``k8s_stages`` values, raw or validated)."""
-    def namespace(layer) -> str | None:
-        return layer.get("namespace") if isinstance(layer, dict) else getattr(layer, "namespace", None)
-
-    found = {namespace(layer) for layer in [common, *(per_stage or {}).values()] if layer is not None}
-    return sorted((found - {None}) | ({NAMESPACE} if namespace(common) is None else set()))
+    found = {_setting(layer, "namespace") for layer in [common, *(per_stage or {}).values()] if layer is not None}
+    return sorted((found - {None}) | ({NAMESPACE} if _setting(common, "namespace") is None else set()))
 
 
 def pipeline_dvc_remote(common: BaseModel | dict | None, per_stage: dict | None) -> str | None:
     """The flow's DVC remote, ``k8s.dvc_remote``; setting it for one stage is refused: the stages share one state
     (``dvc.lock``) on the remote."""
     for stage, layer in (per_stage or {}).items():
-        value = layer.get("dvc_remote") if isinstance(layer, dict) else getattr(layer, "dvc_remote", None)
-        if value is not None:
+        if _setting(layer, "dvc_remote") is not None:
             raise ValueError(f"k8s_stages[{stage!r}].dvc_remote: the DVC remote is the pipeline's, set it in k8s")
-    return common.get("dvc_remote") if isinstance(common, dict) else getattr(common, "dvc_remote", None)
+    return _setting(common, "dvc_remote")

@@ -39,6 +39,11 @@ def launcher(termination_grace_s: int) -> list[str]:
     return ["python", "-m", "rlhf_core.launch", f"--shutdown-timeout={termination_grace_s - KUBELET_MARGIN_S}"]
 
 
+def single_node_launcher(nproc_per_node: int, termination_grace_s: int) -> list[str]:
+    """The launcher of ``nproc_per_node`` processes on one node (torchrun ``--standalone``)."""
+    return [*launcher(termination_grace_s), "--standalone", f"--nproc_per_node={nproc_per_node}"]
+
+
 def repro_command(stage: str, remote: str, params_path: str | None) -> list[str]:
     """Under DVC against a remote: ``rlhf repro NAME --remote URL [--params FILE]`` (``rlhf_core/dvc_remote.py``);
     without ``params_path`` the params come from the remote (the flow uploads them)."""
@@ -50,8 +55,7 @@ def launch_env(nproc_per_node: int, termination_grace_s: int) -> dict[str, str]:
     under this launcher (``rlhf_core.launch.relaunch_command``)."""
     if nproc_per_node == 1:
         return {}
-    return {LAUNCH_ENV: " ".join([*launcher(termination_grace_s), "--standalone",
-                                  f"--nproc_per_node={nproc_per_node}"])}
+    return {LAUNCH_ENV: " ".join(single_node_launcher(nproc_per_node, termination_grace_s))}
 
 
 def stage_command(stage: str, params_path: str = "params.yaml", nnodes: int = 1, nproc_per_node: int = 1,
@@ -68,8 +72,7 @@ def stage_command(stage: str, params_path: str = "params.yaml", nnodes: int = 1,
     if nnodes == 1 and nproc_per_node == 1:
         return ["rlhf", *tail]
     if nnodes == 1:
-        return [*launcher(termination_grace_s), "--standalone", f"--nproc_per_node={nproc_per_node}", "-m",
-                "rlhf_core.cli", *tail]
+        return [*single_node_launcher(nproc_per_node, termination_grace_s), "-m", "rlhf_core.cli", *tail]
     job_name = job_name or default_job_name(stage)
     service = service or job_name
     return [*launcher(termination_grace_s), f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
