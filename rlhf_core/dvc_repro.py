@@ -28,6 +28,7 @@ from pathlib import Path
 DVC_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)")
 STOP_GRACE_S = 30.0  # an interrupted caller gives its stage process this long to exit after SIGTERM
 TAIL_LINES = 20
+SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "fish"})  # what DVC runs a cmd under
 
 
 def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -96,19 +97,41 @@ def run_repro(stage: str, root: Path, env: dict[str, str], echo: Callable[[str],
 
 
 def signal_stage(proc: subprocess.Popen, signum: int) -> int:
-    """Send ``signum`` to every process of ``proc``'s group but DVC itself (``proc``): the stage gets it, and DVC
-    stays alive to report the stage's exit code (DVC dies on SIGTERM without a word). Returns how many got it."""
+    """Send ``signum`` to the stage's processes in ``proc``'s group: every member but DVC itself (``proc``; DVC
+    dies on SIGTERM without a word, alive it reports the stage's exit code) and but the shells DVC runs the
+    command under (``$SHELL -c CMD``; dash forks rather than execs, and a shell killed by SIGTERM hides the
+    stage's own exit 75: it exits with its child's code instead). A group of only shells gets it whole.
+    Returns how many got it."""
+    members = [pid for pid in _group_members(proc.pid) if pid != proc.pid]
+    stage = [pid for pid in members if _command_name(pid) not in SHELLS] or members
     sent = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == proc.pid:
-            continue
+    for pid in stage:
         try:
-            if os.getpgid(int(entry)) == proc.pid:
-                os.kill(int(entry), signum)
-                sent += 1
-        except (ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+            sent += 1
+        except ProcessLookupError:
             continue
     return sent
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) == pgid:
+                members.append(int(entry))
+        except (ProcessLookupError, PermissionError):
+            continue
+    return members
+
+
+def _command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def stop_process_group(proc: subprocess.Popen, echo: Callable[[str], None]) -> None:

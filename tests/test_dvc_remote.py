@@ -132,12 +132,18 @@ def test_a_failed_stage_exits_with_its_code_and_leaves_the_state(toy, tmp_path):
     assert after == before and f"{STATE_DIR}/metrics/b.json" not in state_keys("failing")
 
 
-def test_sigterm_reaches_the_stage_and_its_exit_75_is_kept(toy, tmp_path):
+@pytest.mark.parametrize("shell", ["/bin/sh", "/bin/bash"])
+def test_sigterm_reaches_the_stage_and_its_exit_75_is_kept(toy, tmp_path, shell, monkeypatch):
+    """DVC runs the cmd as ``$SHELL -c CMD``: bash execs it, dash (Debian's /bin/sh, CI's when SHELL is unset)
+    forks, and a dash killed by the SIGTERM would exit -15 in place of the stage's 75."""
+    if not Path(shell).exists():
+        pytest.skip(f"no {shell}")
+    monkeypatch.setenv("SHELL", shell)
     pod = tmp_path / "pod"
     pod.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "repro", "slow", "--remote",
-                             f"s3://{BUCKET}/term", "--params", str(tmp_path / "params.yaml")], cwd=pod,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             f"s3://{BUCKET}/term-{Path(shell).name}", "--params", str(tmp_path / "params.yaml")],
+                            cwd=pod, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not (pod / "started").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
