@@ -1,7 +1,7 @@
 """The ``rlhf`` console script: the stage CLI plus the orchestration verbs.
 
 ``rlhf stage NAME`` comes from :mod:`rlhf_core.cli` (Prefect-free); this module
-adds ``run``, ``register``, ``promote``, ``rollback`` and ``deploy``.
+adds ``run``, ``register``, ``promote``, ``rollback`` and ``deploy``, and ``bench`` from :mod:`benchmarks.cli`.
 
 Exit codes: 0 done (also when the gate rejected the candidate, unless
 ``--strict-gate``), 1 a stage or task failed, 2 bad usage or config,
@@ -16,9 +16,12 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from benchmarks.cli import bench_app
 from rlhf_core.cli import SET_HELP, app, console, fail
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
-from rlhf_core.tracking import importable
+from rlhf_core.ops.tracking import importable
+
+app.add_typer(bench_app, name="bench")
 
 STAGES_HELP = "Stages to run (repeatable); default: every stage in dvc.yaml."
 
@@ -96,7 +99,7 @@ def run_cmd(
     if params_file != DEFAULT_PARAMS and not Path(params_file).is_file():  # no params.yaml: every default
         fail(f"params file {params_file} not found")
     params, ensure_dvc = _prepare_environment(Path(params_file))
-    from rlhf_core.tracking import TrackingUnavailable, check_reachable, tracking_uri
+    from rlhf_core.ops.tracking import TrackingUnavailable, check_reachable, tracking_uri
 
     try:
         check_reachable(tracking_uri(params))  # before anything else: no training without tracking
@@ -144,7 +147,7 @@ def register_cmd(
     """
     params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
     from flows.pipeline import MODEL_DIRS
-    from rlhf_core import tracking
+    from rlhf_core.ops import tracking
     from tasks.registry import model_lineage, register_model_dir
 
     try:
@@ -174,7 +177,7 @@ def promote_cmd(
     Example: rlhf promote 3 --reason "approved after review"
     """
     params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
-    from rlhf_core import tracking
+    from rlhf_core.ops import tracking
     from tasks.registry import promote
 
     tracking.setup(params)
@@ -193,7 +196,7 @@ def rollback_cmd(
     Example: rlhf rollback --reason "regression reported"
     """
     params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
-    from rlhf_core import tracking
+    from rlhf_core.ops import tracking
     from tasks.registry import rollback
 
     tracking.setup(params)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlhf_core.dvc_repro import stage_env
+from rlhf_core.ops.dvc_repro import stage_env
 
 EPHEMERAL_STARTUP_TIMEOUT_S = 300  # Prefect's default is 20 s
 

@@ -21,9 +21,9 @@ from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
 from flows.workspace_slot import workspace_slot
-from rlhf_core import paths, tracking
 from rlhf_core.config import DEFAULT_PARAMS, load_params
-from rlhf_core.dvc_remote import publish_params, pull_outputs, read_stages
+from rlhf_core.ops import paths, tracking
+from rlhf_core.ops.dvc_remote import publish_params, pull_outputs, read_stages
 from rlhf_core.stages import STAGE_NAMES, STAGE_TIMEOUT_S
 from tasks.events import emit_gate_event, emit_promoted_event
 from tasks.gates import evaluation_gate
@@ -128,7 +128,7 @@ def rlhf_pipeline(
 
     ``k8s`` sets every stage Job (image, gpus, nnodes, queue, priority_class, ...: ``StageJobSettings``),
     ``k8s_stages`` one stage's (e.g. ``{"rlhf": {"nnodes": 2}}``); both only with ``backend="kubernetes"``.
-    With ``k8s.dvc_remote`` the stage Jobs run under DVC against that remote (``rlhf_core/dvc_remote.py``): this
+    With ``k8s.dvc_remote`` the stage Jobs run under DVC against that remote (``rlhf_core/ops/dvc_remote.py``): this
     flow publishes its params there and pulls the models to register from there, not from a shared volume.
     Only transient stage failures are retried (``retries`` times, ``tasks.retry_policy``). The whole run holds
     its project directory's slot of a global concurrency limit (``flows/workspace_slot.py``): runs of any

@@ -22,9 +22,9 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 
-from rlhf_core import paths
-from rlhf_core.atomic import write_json_atomic, write_text_atomic
 from rlhf_core.config import DEFAULT_PARAMS, load_params
+from rlhf_core.ops import paths
+from rlhf_core.ops.atomic import write_json_atomic, write_text_atomic
 from tasks.k8s.options import StageJobSettings
 
 ROUNDS_PLOT = paths.PLOTS / "rounds.csv"

@@ -1,5 +1,5 @@
 """One ``rlhf run`` per workspace at a time: an exclusive ``flock`` on ``<workspace>/run.lock``
-(``rlhf_core.locks``: a second run fails at once naming the holder; a killed holder leaves no stale lock)."""
+(``rlhf_core.ops.locks``: a second run fails at once naming the holder; a killed holder leaves no stale lock)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from rlhf_core.locks import LockBusy, exclusive_lock
+from rlhf_core.ops.locks import LockBusy, exclusive_lock
 
 LOCK_FILE = "run.lock"
 

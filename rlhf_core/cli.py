@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
-from rlhf_core.dvc_remote import REMOTE_ENV
-from rlhf_core.launch import LAUNCH_ENV, record_stopped, relaunch_command
+from rlhf_core.ops.dvc_remote import REMOTE_ENV
+from rlhf_core.ops.launch import LAUNCH_ENV, record_stopped, relaunch_command
 from rlhf_core.stages import CHECKPOINTED_STAGES, STAGES, exit_codes
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
@@ -77,12 +77,12 @@ def stage_cmd(
         params = load_params(params_file, set_)
     except ConfigError as err:
         fail(str(err))
-    from rlhf_core import tracking
     from rlhf_core.data.readers import DataError
     from rlhf_core.engine import stop
-    from rlhf_core.flow_watch import stop_when_flow_exits
-    from rlhf_core.locks import LockBusy, stage_lock
-    from rlhf_core.progress import StageProgress
+    from rlhf_core.ops import tracking
+    from rlhf_core.ops.flow_watch import stop_when_flow_exits
+    from rlhf_core.ops.locks import LockBusy, stage_lock
+    from rlhf_core.ops.progress import StageProgress
 
     if name in CHECKPOINTED_STAGES:
         stop.install(params.compute.stop_grace_s)
@@ -154,7 +154,7 @@ def cache_verify(
 
     Example: rlhf cache verify --repair && dvc pull
     """
-    from rlhf_core.dvc_cache import verify_cache
+    from rlhf_core.ops.dvc_cache import verify_cache
 
     try:
         report = verify_cache(Path.cwd(), repair=repair)
@@ -179,15 +179,15 @@ def repro_cmd(
     """Run one stage under DVC in this folder against a shared remote, with no git (a stage pod's command).
 
     Pulls dvc.lock, params and the stage's inputs from the remote, skips the stage when nothing it depends
-    on changed, pushes its outputs and the new dvc.lock after a run (rlhf_core/dvc_remote.py). Exits with
+    on changed, pushes its outputs and the new dvc.lock after a run (rlhf_core/ops/dvc_remote.py). Exits with
     the stage's own code (75: stopped on SIGTERM after a checkpoint; SIGTERM is passed on to the stage).
 
     Example: AWS_ENDPOINT_URL=http://minio:9000 rlhf repro sft --remote s3://ml/rlhf
     """
     import signal
 
-    from rlhf_core.dvc_remote import RemoteStateError, repro
-    from rlhf_core.dvc_repro import signal_stage
+    from rlhf_core.ops.dvc_remote import RemoteStateError, repro
+    from rlhf_core.ops.dvc_repro import signal_stage
 
     if params_file is not None and not params_file.is_file():
         fail(f"--params {params_file}: no such file")
@@ -210,91 +210,6 @@ def repro_cmd(
         fail(f"stage {name} failed ({exit_codes.describe(code)})", code=exit_codes.CRASHED if code is None
              else code if code >= 0 else 128 - code)
     console.print(f"[green]{name} {outcome.status}[/green] (remote {remote})", highlight=False)
-
-
-# --------------------------------------------------------------------------- benchmarks
-bench_app = typer.Typer(help="Benchmarks: training tokens/s and model FLOP utilisation.", no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
-
-
-def _bench(kind: str, hidden: int, layers: int, heads: int, seq: int, batch: int, vocab: int, steps: int,
-           warmup: int, zero_stage: int, threads: int, baseline: bool, as_json: bool, matmul_n: int) -> None:
-    from rlhf_core.bench.train import main as bench_main
-
-    bench_main(kind, as_json=as_json, hidden=hidden, layers=layers, heads=heads, seq=seq, batch=batch, vocab=vocab,
-               steps=steps, warmup=warmup, zero_stage=zero_stage, threads=threads, baseline=baseline,
-               matmul_n=matmul_n)
-
-
-_B_HIDDEN = typer.Option(512, help="Hidden size of the synthetic Llama.")
-_B_LAYERS = typer.Option(6, help="Transformer layers.")
-_B_HEADS = typer.Option(8, help="Attention heads.")
-_B_SEQ = typer.Option(256, help="Tokens per row.")
-_B_BATCH = typer.Option(8, help="Rows per step (RM: pairs per step).")
-_B_VOCAB = typer.Option(256, help="Vocabulary size.")
-_B_STEPS = typer.Option(8, help="Timed optimizer steps.")
-_B_WARMUP = typer.Option(2, help="Untimed warm-up steps.")
-_B_ZERO = typer.Option(0, help="DeepSpeed ZeRO stage.")
-_B_THREADS = typer.Option(0, help="torch CPU threads (0: all cores).")
-_B_BASELINE = typer.Option(False, "--baseline", help="Also time a plain PyTorch loop on the same model.")
-_B_JSON = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
-_B_MATMUL = typer.Option(2048, "--matmul-n", help="Size n of the n x n matmul that measures peak throughput.")
-
-
-@bench_app.command("sft")
-def bench_sft(hidden: int = _B_HIDDEN, layers: int = _B_LAYERS, heads: int = _B_HEADS, seq: int = _B_SEQ,
-              batch: int = _B_BATCH, vocab: int = _B_VOCAB, steps: int = _B_STEPS, warmup: int = _B_WARMUP,
-              zero_stage: int = _B_ZERO, threads: int = _B_THREADS, baseline: bool = _B_BASELINE,
-              as_json: bool = _B_JSON, matmul_n: int = _B_MATMUL) -> None:
-    """SFT trainer throughput: tokens/s and MFU (6*N*tokens/s over measured fp32 matmul peak).
-
-    Example: rlhf bench sft --hidden 512 --layers 6 --seq 256 --batch 8 --baseline
-    """
-    _bench("sft", hidden, layers, heads, seq, batch, vocab, steps, warmup, zero_stage, threads, baseline, as_json,
-           matmul_n)
-
-
-@bench_app.command("rm")
-def bench_rm(hidden: int = _B_HIDDEN, layers: int = _B_LAYERS, heads: int = _B_HEADS, seq: int = _B_SEQ,
-             batch: int = _B_BATCH, vocab: int = _B_VOCAB, steps: int = _B_STEPS, warmup: int = _B_WARMUP,
-             zero_stage: int = _B_ZERO, threads: int = _B_THREADS, baseline: bool = _B_BASELINE,
-             as_json: bool = _B_JSON, matmul_n: int = _B_MATMUL) -> None:
-    """Reward-model trainer throughput (chosen + rejected tokens): tokens/s and MFU.
-
-    Example: rlhf bench rm --hidden 512 --layers 6 --seq 256 --batch 4
-    """
-    _bench("rm", hidden, layers, heads, seq, batch, vocab, steps, warmup, zero_stage, threads, baseline, as_json,
-           matmul_n)
-
-
-_R_ITER = typer.Option(1, "--iterations", help="Timed RLHF iterations (after the warm-up).")
-_R_WARMUP = typer.Option(1, "--warmup", help="Untimed warm-up iterations.")
-_R_SET = typer.Option([], "--set", "-S", help="Override a benchmark param, e.g. -S rlhf.max_new_tokens=64.")
-
-
-@bench_app.command("ppo")
-def bench_ppo(iterations: int = _R_ITER, warmup: int = _R_WARMUP, set_: list[str] = _R_SET,
-              as_json: bool = _B_JSON) -> None:
-    """One PPO iteration (actor + critic) on a fixed small config: samples/s and generate / score / train.
-
-    Example: rlhf bench ppo --iterations 3
-    """
-    from rlhf_core.bench.rlhf import run_cli
-
-    run_cli("ppo", iterations, warmup, set_, as_json)
-
-
-@bench_app.command("grpo")
-def bench_grpo(iterations: int = _R_ITER, warmup: int = _R_WARMUP, set_: list[str] = _R_SET,
-               as_json: bool = _B_JSON) -> None:
-    """One GRPO iteration on a fixed small config (16 prompts x 8 samples x 32 tokens): samples/s and
-    generate / score / train.
-
-    Example: rlhf bench grpo --iterations 3 --json
-    """
-    from rlhf_core.bench.rlhf import run_cli
-
-    run_cli("grpo", iterations, warmup, set_, as_json)
 
 
 def main() -> None:

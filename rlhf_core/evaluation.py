@@ -20,7 +20,7 @@ import torch
 
 from rlhf_core.data.collate import Ragged, left_pad_prompts
 from rlhf_core.engine import distributed as D
-from rlhf_core.generation import GenerationConfig, Rollout, response_logits, rollout
+from rlhf_core.passes.generation import GenerationConfig, Rollout, response_logits, rollout
 
 
 @dataclass

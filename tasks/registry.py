@@ -22,8 +22,8 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from rlhf_core.meta import dir_sha256, read_meta
-from rlhf_core.model_card import CARD_FILE
+from rlhf_core.ops.meta import dir_sha256, read_meta
+from rlhf_core.ops.model_card import CARD_FILE
 from tasks.gates import failing_reasons
 
 DESCRIPTION_LIMIT = 5000  # MLflow's SQL store: model_versions.description is String(5000)
@@ -120,7 +120,7 @@ def _log_model(kind: str, model_dir: Path, name: str):
         return mlflow.transformers.log_model(transformers_model=components, task=task, name=kind,
                                              pip_requirements=pip_requirements(), model_card=model_card)
     import rlhf_core
-    from rlhf_core.serving import ScorerModel
+    from rlhf_core.ops.serving import ScorerModel
 
     return mlflow.pyfunc.log_model(name=kind, python_model=ScorerModel(), artifacts={"model": str(model_dir)},
                                    pip_requirements=pip_requirements(),

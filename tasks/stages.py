@@ -20,10 +20,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
-from rlhf_core.dvc_remote import fetch_state
-from rlhf_core.dvc_repro import ran_marker, run_repro, stage_env
-from rlhf_core.flow_watch import FLOW_PID_ENV
-from rlhf_core.paths import METRICS
+from rlhf_core.ops.dvc_remote import fetch_state
+from rlhf_core.ops.dvc_repro import ran_marker, run_repro, stage_env
+from rlhf_core.ops.flow_watch import FLOW_PID_ENV
+from rlhf_core.ops.paths import METRICS
 from rlhf_core.stages import STAGE_TIMEOUT_S, exit_codes
 from tasks.errors import StageFailed
 from tasks.k8s.submit import submit_stage_job
@@ -31,15 +31,15 @@ from tasks.retry_policy import retry_transient
 
 
 def dvc_repro_stage(stage: str, root: Path, env: dict[str, str], force: bool, echo) -> str:
-    """Run ``dvc repro --single-item STAGE`` (``rlhf_core.dvc_repro``); returns ``"ran"`` or ``"skipped"``;
+    """Run ``dvc repro --single-item STAGE`` (``rlhf_core.ops.dvc_repro``); returns ``"ran"`` or ``"skipped"``;
     raises :class:`StageFailed` with the stage's exit code.
 
     DVC and the stage run in their own process group: when this call is interrupted (task timeout, flow
     cancellation, Ctrl-C) the group gets SIGTERM, then SIGKILL after ``STOP_GRACE_S``, so no stage process
     outlives the task that started it. Should this process itself be killed outright, the stage notices and
-    stops at its next step boundary with a checkpoint (``rlhf_core.flow_watch``).
+    stops at its next step boundary with a checkpoint (``rlhf_core.ops.flow_watch``).
     """
-    env = {**env, FLOW_PID_ENV: str(os.getpid())}  # the stage stops if this process dies (rlhf_core.flow_watch)
+    env = {**env, FLOW_PID_ENV: str(os.getpid())}  # the stage stops if this process dies (rlhf_core.ops.flow_watch)
     outcome = run_repro(stage, root, env, echo, force=force)
     if outcome.returncode != 0:
         code = outcome.stage_code

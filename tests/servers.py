@@ -120,7 +120,7 @@ def s3_server(tmp: Path, bucket: str = "rlhf-test"):
 def project_copy(dst: Path, params: dict | None = None) -> Path:
     """A git checkout of this project (tracked + untracked files) with ``TEST_DEFAULTS``, then ``params``, merged
     into params.yaml."""
-    from rlhf_core.bench.kill_flow import fresh_copy
+    from benchmarks.kill_flow import fresh_copy
 
     fresh_copy(REPO, dst)
     current = yaml.safe_load((dst / "params.yaml").read_text())

@@ -17,7 +17,7 @@ TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--bat
 
 def test_bench_sft_cli_prints_throughput_and_mfu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "bench", "sft", *TINY, "--json", "--baseline"],
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "bench", "sft", *TINY, "--json", "--baseline"],
                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -29,7 +29,7 @@ def test_bench_sft_cli_prints_throughput_and_mfu(tmp_path):
 
 
 def test_bench_rm_counts_chosen_and_rejected_tokens():
-    from rlhf_core.bench.train import run_bench
+    from benchmarks.train import run_bench
 
     r = run_bench("rm", hidden=32, layers=1, heads=2, seq=16, batch=2, vocab=64, steps=2, warmup=1, threads=1,
                   matmul_n=256)
@@ -43,7 +43,7 @@ def test_bench_rm_counts_chosen_and_rejected_tokens():
 def test_shared_prefix_bench_prints_each_pass_and_the_two_agree(capsys):
     """The shared-prompt benchmark times the actor, critic and RM passes both ways; on the tiny CPU model the
     outputs and gradients agree to float rounding, with the prompts' common head computed once too."""
-    from rlhf_core.bench.shared_prefix import main
+    from benchmarks.shared_prefix import main
 
     rows = main(["--rows", "8", "--repeats", "1", "--layers", "1", "--head", "3"])
     assert rows[0]["head"] == 3

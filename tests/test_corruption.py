@@ -120,8 +120,8 @@ def test_a_bit_flip_in_a_prepared_file_that_still_parses_stops_the_stage(ws):  #
 
 
 def test_a_damaged_model_directory_is_refused_at_load_naming_the_file(ws):  # noqa: F811
-    from rlhf_core.integrity import MODEL_MANIFEST, CorruptModelError
     from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.ops.integrity import MODEL_MANIFEST, CorruptModelError
 
     _run(ws, "sft.save_every=0")
     sft = ws / "models/sft"

@@ -68,7 +68,7 @@ def test_slipped_questions_are_always_demonstrated_wrong_and_half_their_pairs_re
 
 
 def test_slip_split_sorts_prompts_by_their_question():
-    from rlhf_core.bench.slip_split import split_by_slip
+    from benchmarks.slip_split import split_by_slip
     from rlhf_core.rewards.demo_task import question_of, render_prompt, slipped
 
     questions = [f"{a} + {b}" for a in range(10) for b in range(10)]
@@ -85,7 +85,7 @@ def test_slip_split_sorts_prompts_by_their_question():
 def test_rm_top1_counts_questions_whose_best_scored_answer_is_right():
     import torch
 
-    from rlhf_core.bench.rm_top1 import shares, top1_correct
+    from benchmarks.rm_top1 import shares, top1_correct
 
     candidates = torch.arange(4)
     scores = torch.tensor([[0.0, 3.0, 1.0, 2.0],   # best: 1
@@ -101,7 +101,7 @@ def test_rm_top1_counts_questions_whose_best_scored_answer_is_right():
 def test_ptx_filter_shares_count_what_the_floor_keeps_and_drops():
     import torch
 
-    from rlhf_core.bench.ptx_filter import filter_shares
+    from benchmarks.ptx_filter import filter_shares
     from rlhf_core.rewards.demo_task import solve
 
     scores = torch.tensor([1.0, 0.5, -0.2, -1.0, 0.0])

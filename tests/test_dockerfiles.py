@@ -230,7 +230,7 @@ def test_dockerignore():
         for keyword, args in instructions(path):
             if keyword == "COPY" and not args.startswith("--from"):
                 needed.update(args.split()[:-1])
-    assert needed >= {"constraints.txt", "pyproject.toml", "README.md", "rlhf_core", "flows", "tasks"}
+    assert needed >= {"constraints.txt", "pyproject.toml", "README.md", "rlhf_core", "flows", "tasks", "benchmarks"}
     for item in sorted(needed):
         probe = item if "." in Path(item).name else f"{item}/__init__.py"
         assert not dockerignore_excludes(patterns, probe), f"{probe} is COPYed but excluded by .dockerignore"

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from flows.local_pipeline import ensure_dvc
-from rlhf_core.dvc_repro import stage_env
+from rlhf_core.ops.dvc_repro import stage_env
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -138,8 +138,8 @@ def test_cache_verify_without_a_lock_or_with_a_broken_one_says_so(tmp_path):
 
 def test_every_stage_declares_the_sections_it_logs_and_the_stage_command():
     """dvc.yaml must name each params section a stage reads (else a changed key would not re-run it)."""
+    from rlhf_core.ops.tracking import STAGE_SECTIONS
     from rlhf_core.stages import STAGE_NAMES
-    from rlhf_core.tracking import STAGE_SECTIONS
 
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     produced = {o if isinstance(o, str) else next(iter(o)) for s in stages.values() for o in s["outs"]}
@@ -151,6 +151,49 @@ def test_every_stage_declares_the_sections_it_logs_and_the_stage_command():
         assert not missing, f"dvc.yaml stage {name} lacks params sections {sorted(missing)}"
         for dep in set(stage["deps"]) - produced:
             assert (REPO / dep).exists(), f"dvc.yaml stage {name}: dep {dep} does not exist"
+
+
+def _stage_closure(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """The rlhf_core modules a stage's code runs: its module, the packages above it, and all they import."""
+    parts = module.split(".")
+    seen, todo = set(), [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    while todo:
+        name = todo.pop()
+        if name not in seen and name.startswith("rlhf_core"):
+            seen.add(name)
+            todo += graph.get(name, ())
+    return seen
+
+
+def _source(module: str) -> str:
+    path = Path(*module.split("."))
+    return f"{path}.py" if (REPO / f"{path}.py").exists() else f"{path}/__init__.py"
+
+
+def uncovered_sources(deps: list[str], modules: set[str]) -> list[str]:
+    """The modules' source files under none of ``deps`` (files or directories), but those of ``rlhf_core.ops``
+    (operations: no number a stage computes depends on them) and ``rlhf_core/__init__.py`` (the version)."""
+    sources = {_source(m) for m in modules if not (m == "rlhf_core" or m.startswith("rlhf_core.ops"))}
+    return sorted(f for f in sources if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps))
+
+
+def test_every_stage_depends_on_the_code_it_runs():
+    """A stage's code deps cover every rlhf_core module it imports, however indirectly: a dep missing from
+    dvc.yaml means an edit there (the RL forward passes were one) leaves a stale model \"up to date\"."""
+    from rlhf_core.stages import STAGES
+    from tests.test_import_graph import import_graph
+
+    graph = import_graph()
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for name, entry in STAGES.items():
+        missing = uncovered_sources(stages[name]["deps"], _stage_closure(entry.split(":")[0], graph))
+        assert not missing, f"dvc.yaml stage {name} runs code it does not depend on: {missing}"
+
+
+def test_uncovered_sources_finds_a_module_outside_every_dep():
+    modules = {"rlhf_core", "rlhf_core.passes.generation", "rlhf_core.ops.paths", "rlhf_core.algos.losses"}
+    assert uncovered_sources(["rlhf_core/algos"], modules) == ["rlhf_core/passes/generation.py"]
+    assert uncovered_sources(["rlhf_core/algos", "rlhf_core/passes/generation.py"], modules) == []
 
 
 @pytest.mark.parametrize("path, ignored", [("rlhf_core/engine/__pycache__/loop.cpython-311.pyc", True),

@@ -1,4 +1,4 @@
-"""Stages under DVC against a shared S3 remote with no git (``rlhf repro``, ``rlhf_core/dvc_remote.py``), as
+"""Stages under DVC against a shared S3 remote with no git (``rlhf repro``, ``rlhf_core/ops/dvc_remote.py``), as
 cluster pods run them: against a real S3-compatible server (moto) on loopback, real DVC with ``dvc-s3``.
 
 Each "pod" is a fresh folder: it shares nothing with the others but the remote. A toy project (``dvc.yaml``
@@ -19,7 +19,7 @@ import boto3
 import pytest
 import yaml
 
-from rlhf_core.dvc_remote import STATE_DIR, pull_outputs
+from rlhf_core.ops.dvc_remote import STATE_DIR, pull_outputs
 from tests.servers import REPO, s3_server
 
 pytestmark = pytest.mark.slow

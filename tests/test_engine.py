@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from rlhf_core.algos import divergence_rm_loss, gather_last, last_valid_index, pairwise_rm_loss, token_nll
-from rlhf_core.atomic import atomic_dir
 from rlhf_core.config import ComputeConfig, EpochConfig, OptimConfig
 from rlhf_core.engine import (
     CheckpointManager,
@@ -28,6 +27,7 @@ from rlhf_core.engine import (
     fit,
 )
 from rlhf_core.models import RewardScorer, ValueHeadModel
+from rlhf_core.ops.atomic import atomic_dir
 
 VOCAB = 40
 

@@ -76,7 +76,7 @@ class _Table(torch.nn.Module):
 
 def test_sequence_kl_by_hand():
     from rlhf_core.evaluation import sequence_kl
-    from rlhf_core.generation import Rollout
+    from rlhf_core.passes.generation import Rollout
 
     p = torch.tensor([[0.5, 0.5], [0.9, 0.1]])  # rows: next-token distributions after token 0 / token 1
     q = torch.tensor([[0.5, 0.5], [0.5, 0.5]])

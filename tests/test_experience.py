@@ -8,15 +8,15 @@ import torch
 
 from rlhf_core.algos import kl_estimate
 from rlhf_core.config import RLHFConfig
-from rlhf_core.generation import GenerationConfig
-from rlhf_core.generation import response_logprobs as sequence_logprobs
+from rlhf_core.passes.generation import GenerationConfig
+from rlhf_core.passes.generation import response_logprobs as sequence_logprobs
+from rlhf_core.passes.values import sequence_values
 from rlhf_core.trainers.rlhf.algorithms import algorithm_for, compute_advantages
 from rlhf_core.trainers.rlhf.experience import (
     Experience,
     ExperienceMaker,
     MakerConfig,
     minibatch_plan,
-    sequence_values,
     zero_row,
 )
 
@@ -317,8 +317,8 @@ def test_critic_values_and_gradients_with_each_prompt_computed_once_equal_the_fu
     parameter gradients of one forward over the full rows; rows of one group with different prompts are refused."""
     from transformers import LlamaConfig, LlamaModel
 
-    from rlhf_core.generation import response_mask
     from rlhf_core.models import ValueHeadModel
+    from rlhf_core.passes.generation import response_mask
 
     torch.manual_seed(0)
     critic = ValueHeadModel(LlamaModel(LlamaConfig(

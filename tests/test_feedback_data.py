@@ -108,11 +108,11 @@ def test_the_workspace_actor_is_snapshotted_sealed_with_its_source_named(tmp_pat
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhf_core import paths
-    from rlhf_core.integrity import MODEL_MANIFEST, seal_model_dir, verify_model_dir
-    from rlhf_core.meta import write_meta
     from rlhf_core.models.loading import load_causal_lm
-    from rlhf_core.paths import start_dir
+    from rlhf_core.ops import paths
+    from rlhf_core.ops.integrity import MODEL_MANIFEST, seal_model_dir, verify_model_dir
+    from rlhf_core.ops.meta import write_meta
+    from rlhf_core.ops.paths import start_dir
     from rlhf_core.stages.feedback import snapshot_start
     from tests.conftest import make_params
 

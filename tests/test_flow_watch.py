@@ -15,7 +15,7 @@ STAGE = """
 import sys
 from pathlib import Path
 from rlhf_core.engine import stop
-from rlhf_core.flow_watch import stop_when_flow_exits
+from rlhf_core.ops.flow_watch import stop_when_flow_exits
 stop.install(30.0)  # as `rlhf stage` does for a training stage
 stop_when_flow_exits(Path(sys.argv[1]))
 i = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.generation import Rollout, position_ids, response_logprobs, response_mask
+from rlhf_core.passes.generation import Rollout, position_ids, response_logprobs, response_mask
 
 EOS, PAD = 2, 0
 
@@ -90,7 +90,7 @@ def _bos_tokenizer():
 def test_generation_prompts_are_tokenised_like_sft_training_rows():
     """Eval/RL prompts carry the BOS that SFT rows were trained with, left-padded and left-truncated."""
     from rlhf_core.data.collate import encode_sequences
-    from rlhf_core.generation import encode_prompts
+    from rlhf_core.passes.generation import encode_prompts
 
     tok = _bos_tokenizer()
     ids, mask = encode_prompts(tok, ["a b c", "b"])
@@ -125,7 +125,7 @@ class _Tok:
 def test_rollout_ignores_the_checkpoints_generation_config():
     """A checkpoint's generation_config.json (here repetition_penalty 1.5, no_repeat_ngram_size 2) must not
     shape the rollout: greedy tokens are the argmax of the raw logits that the trainer scores."""
-    from rlhf_core.generation import GenerationConfig, rollout
+    from rlhf_core.passes.generation import GenerationConfig, rollout
 
     model = _tiny_lm()
     model.generation_config.repetition_penalty = 1.5
@@ -147,7 +147,7 @@ def test_rollout_ignores_the_checkpoints_generation_config():
 def test_sampled_rollout_log_probs_match_the_sampling_distribution():
     """Sampling with a repetition penalty in the checkpoint's config: the tokens' log-probs under the raw
     policy (what the trainer computes) equal the scores generate sampled from."""
-    from rlhf_core.generation import clean_generation_config
+    from rlhf_core.passes.generation import clean_generation_config
 
     model = _tiny_lm()
     model.generation_config.repetition_penalty = 1.5
@@ -170,7 +170,7 @@ def test_rollout_records_the_log_probs_the_trainer_recomputes():
     """The log-probs recorded while sampling (``record_logprobs``: no second forward pass) are those of the full
     forward over the finished sequences, with left padding, temperature 0.7, a checkpoint's repetition penalty
     ignored, and rows that stop at EOS early."""
-    from rlhf_core.generation import GenerationConfig, rollout
+    from rlhf_core.passes.generation import GenerationConfig, rollout
 
     model = _tiny_lm()
     model.generation_config.repetition_penalty = 1.5
@@ -195,7 +195,7 @@ def test_rollout_records_the_log_probs_the_trainer_recomputes():
 
 
 def test_sampled_logprobs_drop_a_step_generate_undid():
-    from rlhf_core.generation import SampledLogprobs
+    from rlhf_core.passes.generation import SampledLogprobs
 
     rec = SampledLogprobs(1.0)
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
@@ -214,7 +214,7 @@ def test_sampled_logprobs_drop_a_step_generate_undid():
 def test_shared_prefix_logits_and_gradients_equal_the_full_forward():
     """Groups of rows sharing a left-padded prompt (one group cut to 1 row, one of 3): each prompt computed once
     gives the full forward's logits and the same parameter gradients."""
-    from rlhf_core.generation import response_logits, shared_prefix_logits
+    from rlhf_core.passes.generation import response_logits, shared_prefix_logits
 
     model = _tiny_lm()
     prompts = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]])
@@ -245,7 +245,7 @@ def test_grouped_rollout_prefills_each_prompt_once_and_samples_the_same():
     """Runs of 4 copies of a (left-padded) prompt: prefilling each prompt once and repeating its KV cache samples
     the same tokens under the same seed, with the same recorded log-probs; rows that are not such runs are
     refused."""
-    from rlhf_core.generation import GenerationConfig, prefilled_cache, rollout
+    from rlhf_core.passes.generation import GenerationConfig, prefilled_cache, rollout
 
     model = _tiny_lm()
     prompt = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]]).repeat_interleave(4, dim=0)

@@ -1,4 +1,4 @@
-"""A group's prompt once and its responses packed after it in one row (rlhf_core/group_packing.py)."""
+"""A group's prompt once and its responses packed after it in one row (rlhf_core/passes/group_packing.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core import group_packing
-from rlhf_core.generation import response_logits, response_mask, shared_prefix_split
-from rlhf_core.group_packing import pack_groups, supports_packing
+from rlhf_core.passes import group_packing
+from rlhf_core.passes.generation import response_logits, response_mask, shared_prefix_split
+from rlhf_core.passes.group_packing import pack_groups, supports_packing
 
 PAD, EOS = 0, 2
 T, F = True, False
@@ -118,7 +118,7 @@ def test_models_without_sdpa_and_rows_past_the_width_bound_share_the_prompt_cach
     sdpa = _tiny_lm()
     assert shapes(sdpa)[1] == [(2, 7)]
     monkeypatch.setattr(group_packing, "PACK_MAX_WIDTH", 6)
-    monkeypatch.setattr("rlhf_core.generation.PACK_MAX_WIDTH", 6)
+    monkeypatch.setattr("rlhf_core.passes.generation.PACK_MAX_WIDTH", 6)
     assert len(shapes(sdpa)[1]) > 1
 
 
@@ -144,7 +144,7 @@ def test_models_that_do_more_than_attend_get_the_plain_forward_and_say_so_once(a
     """A 4-token sliding window counts columns, which packing moves; a convolution runs along the packed row
     across the responses. Both were packed (log-probs 1.67 and 0.26 nats off on real models) and the LFM2's
     cache fallback crashed: now every pass over them is the plain forward, logged once."""
-    from rlhf_core.prefix_cache import warn_once
+    from rlhf_core.passes.prefix_cache import warn_once
     from tests.tiny import tiny_lm
 
     warn_once.cache_clear()  # once per process: forget what earlier tests said
@@ -210,7 +210,7 @@ def test_rows_past_the_width_bound_never_build_the_mask(monkeypatch):
     ``W^2`` elements is ever allocated (the fall-back used to build the mask first: +240 MB at W = 5602)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rlhf_core.group_packing import packed_width
+    from rlhf_core.passes.group_packing import packed_width
 
     class LargestBool(TorchDispatchMode):
         numel = 0
@@ -222,7 +222,7 @@ def test_rows_past_the_width_bound_never_build_the_mask(monkeypatch):
                     LargestBool.numel = max(LargestBool.numel, t.numel())
             return out
 
-    monkeypatch.setattr("rlhf_core.generation.PACK_MAX_WIDTH", 64)
+    monkeypatch.setattr("rlhf_core.passes.generation.PACK_MAX_WIDTH", 64)
     prompt = torch.tensor([[PAD, 1, 7, 8]]).repeat(4, 1)
     responses = torch.randint(3, 16, (4, 150), generator=torch.Generator().manual_seed(0))
     seq = torch.cat([prompt, responses], dim=1)

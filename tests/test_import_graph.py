@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("rlhf_core", "tasks", "flows")
+PACKAGES = ("rlhf_core", "tasks", "flows", "benchmarks")
 
 
 def _modules() -> dict[str, Path]:
@@ -150,3 +150,25 @@ def test_no_module_is_over_400_lines():
     lines = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     long = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def _third_party_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_layers_point_down():
+    """rlhf_core (the library) imports nothing of tasks, flows or benchmarks, nor Prefect, at any level; tasks
+    imports neither flows nor benchmarks."""
+    graph, modules = import_graph(), _modules()
+    above = {"rlhf_core": ("tasks", "flows", "benchmarks"), "tasks": ("flows", "benchmarks")}
+    wrong = [f"{name} -> {target}" for name, targets in graph.items() for target in sorted(targets)
+             if target.split(".")[0] in above.get(name.split(".")[0], ())]
+    wrong += [f"{name} -> prefect" for name, path in modules.items()
+              if name.startswith("rlhf_core") and "prefect" in _third_party_roots(path)]
+    assert not wrong, "imports that point up a layer:\n" + "\n".join(wrong)

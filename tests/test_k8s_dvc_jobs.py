@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from rlhf_core.dvc_remote import STATE_DIR
-from rlhf_core.launch import LAUNCH_ENV, relaunch_command
+from rlhf_core.ops.dvc_remote import STATE_DIR
+from rlhf_core.ops.launch import LAUNCH_ENV, relaunch_command
 from tasks.k8s.options import StageJobOptions, StageJobSettings, pipeline_dvc_remote
 from tasks.k8s.render import render_stage_job
 from tasks.k8s.render_operators import RENDERERS
@@ -44,7 +44,7 @@ def test_a_stage_under_a_remote_runs_rlhf_repro_with_the_object_store_env():
 
 def test_several_processes_under_a_remote_go_through_rlhf_launch():
     env = env_of(StageJobOptions("rm", gpus=4, dvc_remote=REMOTE))
-    assert env[LAUNCH_ENV] == "python -m rlhf_core.launch --shutdown-timeout=870 --standalone --nproc_per_node=4"
+    assert env[LAUNCH_ENV] == "python -m rlhf_core.ops.launch --shutdown-timeout=870 --standalone --nproc_per_node=4"
     assert container(StageJobOptions("rm", gpus=4, dvc_remote=REMOTE))["command"][:3] == ["rlhf", "repro", "rm"]
 
 
@@ -86,8 +86,8 @@ def test_relaunch_command_is_none_in_a_worker_or_without_a_launcher(monkeypatch)
     monkeypatch.delenv(LAUNCH_ENV, raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert relaunch_command(["stage", "sft"]) is None
-    monkeypatch.setenv(LAUNCH_ENV, "python -m rlhf_core.launch --nproc_per_node=2")
-    assert relaunch_command(["stage", "sft"]) == ["python", "-m", "rlhf_core.launch", "--nproc_per_node=2", "-m",
+    monkeypatch.setenv(LAUNCH_ENV, "python -m rlhf_core.ops.launch --nproc_per_node=2")
+    assert relaunch_command(["stage", "sft"]) == ["python", "-m", "rlhf_core.ops.launch", "--nproc_per_node=2", "-m",
                                                   "rlhf_core.cli", "stage", "sft"]
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert relaunch_command(["stage", "sft"]) is None

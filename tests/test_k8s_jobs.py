@@ -263,7 +263,7 @@ def _container(job):
 
 def test_commands():
     assert _container(render_stage_job(StageJobOptions("sft")))["command"] == ["rlhf", "stage", "sft"]
-    launch = ["python", "-m", "rlhf_core.launch", "--shutdown-timeout=870"]  # the pod's 900 s grace less 30 s
+    launch = ["python", "-m", "rlhf_core.ops.launch", "--shutdown-timeout=870"]  # the pod's 900 s grace less 30 s
     assert _container(render_stage_job(StageJobOptions("sft", gpus=4)))["command"] == [
         *launch, "--standalone", "--nproc_per_node=4", "-m", "rlhf_core.cli", "stage", "sft"]
     assert _container(render_stage_job(StageJobOptions("sft", gpus=2, termination_grace_s=1200)))["command"][:4] == [
@@ -359,14 +359,14 @@ def test_render_help_names_every_kind():
 
 
 def test_trainjob_command_takes_its_rendezvous_from_the_trainers_pet_env(monkeypatch):
-    """The TrainJob's command has no rendezvous flags: torchrun's parser (which rlhf_core.launch uses) reads
+    """The TrainJob's command has no rendezvous flags: torchrun's parser (which rlhf_core.ops.launch uses) reads
     each option it is not given from PET_<OPTION>, which the Trainer's torch plugin sets (v2.3.0,
     pkg/runtime/framework/plugins/torch/torch.go: PET_NNODES = numNodes, PET_NPROC_PER_NODE = numProcPerNode,
     PET_NODE_RANK = the Job completion index, PET_MASTER_ADDR = <name>-node-0-0.<name>, PET_MASTER_PORT = 29500)."""
     run = pytest.importorskip("torch.distributed.run")
     tj = render_trainjob(StageJobOptions("rm", nnodes=3, gpus=8, name="rm-x"))
     cmd = tj["spec"]["trainer"]["command"]
-    assert cmd[:3] == ["python", "-m", "rlhf_core.launch"]
+    assert cmd[:3] == ["python", "-m", "rlhf_core.ops.launch"]
     argv = cmd[3:]
     for key in [k for k in os.environ if k.startswith("PET_")]:
         monkeypatch.delenv(key)
@@ -573,7 +573,7 @@ def test_prefect_yaml_deployment_parameters_validate_against_the_flow():
 
 def test_lineage_without_git_reads_the_image(tmp_path, monkeypatch):
     """In a stage pod (no .git): the commit baked into the image, the image reference and its pinned digest."""
-    from rlhf_core.meta import code_lineage
+    from rlhf_core.ops.meta import code_lineage
 
     image = "registry.example.com/rlhf-ops@sha256:" + "a" * 64
     env = {e["name"]: e.get("value") for e in _container(render_stage_job(StageJobOptions("sft", image=image)))["env"]}

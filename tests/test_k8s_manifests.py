@@ -346,7 +346,7 @@ def test_render_trainjob_validates_against_the_published_crd(stage):
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (3, 8)
     assert trainer["resourcesPerNode"]["limits"][names.GPU_RESOURCE] == "8"
     # torchrun takes nnodes, nproc_per_node, node_rank, master_addr and master_port from the torch plugin's PET_*
-    assert trainer["command"] == ["python", "-m", "rlhf_core.launch", "--shutdown-timeout=870", "-m",
+    assert trainer["command"] == ["python", "-m", "rlhf_core.ops.launch", "--shutdown-timeout=870", "-m",
                                   "rlhf_core.cli", "stage", stage, "-p", "/etc/rlhf/params.yaml"]
     assert {"name": "RLHF_PARENT_RUN_ID", "value": "abc"} in trainer["env"]
     assert doc["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == "team-a"  # Kueue admits the TrainJob
@@ -686,7 +686,7 @@ def test_container_command_is_the_stage_cli(label):
             assert tail[:2] == ["stage", stage], cmd
             assert tail[2:] in ([], ["-p", tail[-1]]), cmd
             head = cmd[:len(cmd) - len(tail)]
-            assert head == ["rlhf"] or (head[:3] == ["python", "-m", "rlhf_core.launch"]
+            assert head == ["rlhf"] or (head[:3] == ["python", "-m", "rlhf_core.ops.launch"]
                                         and head[-2:] == ["-m", "rlhf_core.cli"]), cmd
             if head != ["rlhf"]:  # torchrun SIGKILLs its ranks this long after SIGTERM: above the stop grace (600 s),
                 assert 600 < int(_flag(cmd, "shutdown-timeout")) <= 900 - 30, cmd  # below the pod's (900 s)
@@ -702,7 +702,7 @@ def _check_indexed_job(job: dict, services: list[dict]) -> None:
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     (c,) = stage_containers(job)
     cmd = c["command"]
-    assert cmd[:3] == ["python", "-m", "rlhf_core.launch"]
+    assert cmd[:3] == ["python", "-m", "rlhf_core.ops.launch"]
     assert int(_flag(cmd, "shutdown-timeout")) == pod["terminationGracePeriodSeconds"] - 30
     nnodes = int(_flag(cmd, "nnodes"))
     assert nnodes > 1 and spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nnodes

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_sft_killed_at_random_moments_resumes_to_identical_weights(prepared, tmp_path):  # noqa: F811
     import yaml
 
-    from rlhf_core.bench.kill_campaign import main, summarise
+    from benchmarks.kill_campaign import main, summarise
     from rlhf_core.config import apply_overrides
 
     (prepared / "params.yaml").write_text(yaml.safe_dump(apply_overrides({}, TINY)))

@@ -1,4 +1,4 @@
-"""The stage launcher (rlhf_core/launch.py): torchrun whose preempted ranks keep their checkpoint and exit 75."""
+"""The stage launcher (rlhf_core/ops/launch.py): torchrun whose preempted ranks keep their checkpoint and exit 75."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.launch import STOPPED_DIR_ENV, exit_code_after_signal, record_stopped
+from rlhf_core.ops.launch import STOPPED_DIR_ENV, exit_code_after_signal, record_stopped
 from rlhf_core.stages import exit_codes
 from tests.stage_signals import sigterm_at_step
 from tests.tiny import TINY_DEMO, tiny_params
@@ -42,7 +42,7 @@ def _launch(root: Path, *overrides: str) -> subprocess.Popen:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     args = [a for o in overrides for a in ("-S", o)]
-    return subprocess.Popen([sys.executable, "-m", "rlhf_core.launch", "--standalone", "--nproc_per_node=2", "-m",
+    return subprocess.Popen([sys.executable, "-m", "rlhf_core.ops.launch", "--standalone", "--nproc_per_node=2", "-m",
                              "rlhf_core.cli", "stage", "sft", *args], cwd=root, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

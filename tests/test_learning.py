@@ -1,4 +1,4 @@
-"""The learning comparison (``rlhf_core.bench.learning``): seeds x variants side by side, ours and TRL's
+"""The learning comparison (``benchmarks.learning``): seeds x variants side by side, ours and TRL's
 GRPOTrainer from one base workspace, judged by one held-out evaluator; the summary's numbers by hand."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from rlhf_core.bench.learning import Variant, mean_spread, provenance, render, rm_build, summarise
+from benchmarks.learning import Variant, mean_spread, provenance, render, rm_build, summarise
 from tests.conftest import make_params
 
 TINY = ["data.demo.n_rows=600", "data.demo.max_operand=4", "data.max_prompt_len=16", "data.max_response_len=4",
@@ -82,7 +82,7 @@ def test_provenance_names_the_sft_build_the_params_and_the_common_overrides(tmp_
 @pytest.mark.slow
 def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
     pytest.importorskip("trl")
-    from rlhf_core.bench.learning import main
+    from benchmarks.learning import main
     from rlhf_core.stages.prepare import prepare
     from rlhf_core.trainers.rm import train_rm
     from rlhf_core.trainers.sft import train_sft

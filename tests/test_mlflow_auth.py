@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import tracking
+from rlhf_core.ops import tracking
 from rlhf_core.stages import exit_codes
 from tests.conftest import make_params
 from tests.servers import mlflow_server

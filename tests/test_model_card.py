@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from rlhf_core.model_card import render_model_card
+from rlhf_core.ops.model_card import render_model_card
 from tasks.registry import card_description
 from tests.conftest import make_params
 

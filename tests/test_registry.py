@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.data.tokenizer import train_demo_tokenizer
-from rlhf_core.meta import build_meta, write_meta
+from rlhf_core.ops.meta import build_meta, write_meta
 from tests.servers import mlflow_server, project_copy
 
 pytestmark = pytest.mark.slow
@@ -70,8 +70,8 @@ def test_register_dedupe_promote_rollback_and_load(mlflow_uri, tmp_path):
     again = register_model_dir("actor", a1, name, tags)
     assert (again.version, again.new) == ("1", False), "identical model registered twice"
     a2 = tiny_actor(tmp_path / "a2", seed=2)
-    from rlhf_core.meta import read_meta
-    from rlhf_core.model_card import render_model_card
+    from rlhf_core.ops.meta import read_meta
+    from rlhf_core.ops.model_card import render_model_card
     from tests.conftest import make_params
 
     card = render_model_card({**read_meta(a2), "role": "actor"}, make_params(),
@@ -186,7 +186,7 @@ def test_experiment_opens_as_a_model_training_experiment(mlflow_uri, tmp_path):
     and a kind the user changed in the UI is left alone."""
     from mlflow import MlflowClient
 
-    from rlhf_core import tracking
+    from rlhf_core.ops import tracking
     from tests.conftest import make_params
 
     params = make_params("tracking.experiment=kind-test")  # the server: MLFLOW_TRACKING_URI (fixture)
@@ -303,7 +303,7 @@ def test_rlhf_register_killed_at_random_moments_leaves_no_partial_or_doubled_ver
     version under ``challenger``."""
     import shutil
 
-    from rlhf_core.bench.kill_register import main
+    from benchmarks.kill_register import main
 
     ws = tmp_path / "ws"
     tiny_actor(ws / "models/actor", seed=4)

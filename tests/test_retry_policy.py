@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.dvc_repro import stage_exit_code
+from rlhf_core.ops.dvc_repro import stage_exit_code
 from rlhf_core.stages import exit_codes
 from tasks.errors import StageFailed
 from tasks.k8s.submit import StageJobFailed, StageJobTimeout

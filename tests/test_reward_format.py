@@ -269,8 +269,8 @@ def test_a_hub_id_is_read_as_the_reward(tmp_path):
 def test_legacy_value_head_directory_still_loads_scores_the_same_and_resaves_for_hf(tmp_path):
     """A reward model in the value-head layout (sealed, as a stage wrote it) loads as the reward, the critic's init
     and an ensemble member beside a new-format one, with its old scores; saved again, HF reads it."""
-    from rlhf_core.integrity import seal_model_dir
     from rlhf_core.models import EnsembleScorer, RewardScorer, ValueHeadModel, load_scorer
+    from rlhf_core.ops.integrity import seal_model_dir
     from rlhf_core.trainers.rlhf.models import load_critic
 
     tok = _tokenizer()

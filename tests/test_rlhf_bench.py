@@ -19,7 +19,7 @@ TINY = ["model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2", "model.
 def _bench(kind: str, *extra: str) -> subprocess.CompletedProcess:
     args = [a for o in TINY for a in ("-S", o)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RLHF_TRACKING": "off"}
-    return subprocess.run([sys.executable, "-m", "rlhf_core.cli", "bench", kind, *args, *extra],
+    return subprocess.run([sys.executable, "-m", "flows.cli", "bench", kind, *args, *extra],
                           capture_output=True, text=True, env=env, timeout=600)
 
 

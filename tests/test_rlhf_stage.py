@@ -21,7 +21,7 @@ import torch
 
 from rlhf_core.config import ConfigError
 from rlhf_core.engine.errors import TrainingInputError
-from rlhf_core.integrity import MODEL_MANIFEST
+from rlhf_core.ops.integrity import MODEL_MANIFEST
 from tests.conftest import REPO, make_params
 from tests.stage_signals import sigterm_at_step
 from tests.tiny import reseal_prepared
@@ -176,7 +176,7 @@ def test_every_iteration_gets_full_prompt_batches_across_epochs(ws):
 def test_ppo_stage_writes_models_metrics_and_plots(ws):
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core.meta import dir_sha256, read_meta
+    from rlhf_core.ops.meta import dir_sha256, read_meta
     from rlhf_core.trainers.rlhf.trainer import train_rlhf as run
 
     metrics = run(params("rlhf.num_steps=2", "rlhf.ema_decay=0.5"), ws)
@@ -204,7 +204,7 @@ def test_ppo_stage_writes_models_metrics_and_plots(ws):
 
 
 def test_grpo_has_no_critic_and_needs_no_rm(ws):
-    from rlhf_core.meta import read_meta
+    from rlhf_core.ops.meta import read_meta
     from rlhf_core.trainers.rlhf.trainer import train_rlhf as run
 
     shutil.rmtree(ws / "models/rm")
@@ -304,7 +304,7 @@ def test_rm_with_another_tokenizer_is_retokenised_or_refused(ws):
 def test_lora_reference_is_the_actor_with_adapters_disabled(ws):
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core.generation import response_logprobs as sequence_logprobs
+    from rlhf_core.passes.generation import response_logprobs as sequence_logprobs
     from rlhf_core.trainers.rlhf.models import AdapterDisabled
 
     tr = _trainer(ws, "compute.lora.enabled=true", "compute.lora.r=4", "rlhf.lr=1e-2", "rlhf.num_steps=2")
@@ -329,7 +329,7 @@ def test_dropout_is_off_so_the_first_ratio_is_one(ws):
     its rollout (eval-mode) log-probs, so the first PPO ratio is exactly 1 (was 0.74-1.17)."""
     from transformers import AutoConfig
 
-    from rlhf_core.generation import response_logprobs as sequence_logprobs
+    from rlhf_core.passes.generation import response_logprobs as sequence_logprobs
 
     cfg = AutoConfig.from_pretrained(ws / "models/sft")
     cfg.attention_dropout = 0.3
@@ -369,7 +369,7 @@ def test_rollout_log_probs_recorded_while_sampling_equal_the_recomputed_ones(ws,
     """Several optimizer steps per buffer need the rollout policy's log-probs before training. Recorded while
     sampling (the default) they equal a full forward pass over the rows, and the maker runs no actor pass for
     them: its only log-prob pass is the reference's. ``recompute`` runs the actor pass (two in all)."""
-    from rlhf_core.generation import response_logprobs
+    from rlhf_core.passes.generation import response_logprobs
     from rlhf_core.trainers.rlhf import experience
 
     tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.micro_batch_size=4", "rlhf.max_new_tokens=6",

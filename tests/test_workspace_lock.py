@@ -56,14 +56,14 @@ def test_rlhf_run_exits_5_while_another_run_holds_the_workspace(tmp_path):
     assert time.monotonic() - t0 < 120 and not (tmp_path / "data").exists()  # failed before any stage ran
 
 
-STAGE_HOLD = ("import sys, time; from rlhf_core.locks import stage_lock\n"
+STAGE_HOLD = ("import sys, time; from rlhf_core.ops.locks import stage_lock\n"
               "with stage_lock(sys.argv[1], 'sft'):\n    print('held', flush=True); time.sleep(60)\n")
 
 
 def test_a_stage_rerun_while_its_previous_process_lives_exits_5_before_writing(tmp_path, monkeypatch):
     """`rlhf stage sft` while another `rlhf stage sft` process holds the workspace's stage lock: exit 5 naming
     the holder, nothing written; the other ranks of a torchrun (RANK > 0) do not take the lock."""
-    from rlhf_core.locks import stage_lock
+    from rlhf_core.ops.locks import stage_lock
 
     (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
     proc = subprocess.Popen([sys.executable, "-c", STAGE_HOLD, str(tmp_path / ".rlhf")], cwd=REPO,
@@ -91,7 +91,7 @@ def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, cap
     import errno
     import fcntl
 
-    from rlhf_core.locks import exclusive_lock
+    from rlhf_core.ops.locks import exclusive_lock
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

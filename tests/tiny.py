@@ -26,7 +26,7 @@ def reseal_prepared(root, *names: str) -> None:
     import json
     from pathlib import Path
 
-    from rlhf_core.meta import file_sha256
+    from rlhf_core.ops.meta import file_sha256
 
     manifest = Path(root) / "data/prepared/manifest.json"
     data = json.loads(manifest.read_text())

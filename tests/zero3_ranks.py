@@ -21,7 +21,7 @@ PAD, EOS = 0, 2
 
 
 def _rows(prompts: list[list[int]], responses: list[list[int]], group: list[int]):
-    from rlhf_core.generation import response_mask
+    from rlhf_core.passes.generation import response_mask
 
     p, r, g = torch.tensor(prompts), torch.tensor(responses), torch.tensor(group)
     seq = torch.cat([p[g], r], dim=1)
@@ -52,10 +52,11 @@ def main(out: Path) -> None:
     D.init_distributed()
     import deepspeed
 
-    from rlhf_core import generation
-    from rlhf_core.generation import prefilled_cache, response_logits
     from rlhf_core.models.value_head import ValueHeadModel
-    from rlhf_core.trainers.rlhf.experience import batched, sequence_values
+    from rlhf_core.passes import generation
+    from rlhf_core.passes.generation import prefilled_cache, response_logits
+    from rlhf_core.passes.values import sequence_values
+    from rlhf_core.trainers.rlhf.experience import batched
     from tests.tiny import tiny_lm
 
     rank = D.rank()

@@ -88,7 +88,7 @@ class RLHFConfig(OptimConfig):
     pack_groups: bool = Field(
         True, description="With `shared_prefix`, the actor's and reference's log-prob passes and the actor's "
                           "training forward pack each group's responses after its prompt in one row under a "
-                          "block-causal mask (`rlhf_core/group_packing.py`: no padding between responses, one "
+                          "block-causal mask (`rlhf_core/passes/group_packing.py`: no padding between responses, one "
                           "pass, no KV cache to index; same logits and gradients up to float rounding). Only "
                           "for models with `attn_implementation` sdpa whose every layer is full attention, and "
                           "packed rows of at most `group_packing.PACK_MAX_WIDTH` tokens; otherwise, and for the "

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf_core.generation import generate
+from rlhf_core.passes.generation import generate
 
 
 @torch.inference_mode()

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_core import integrity
-from rlhf_core.atomic import write_json_atomic, write_text_atomic
 from rlhf_core.engine import distributed as D
+from rlhf_core.ops import integrity
+from rlhf_core.ops.atomic import write_json_atomic, write_text_atomic
 
 LATEST = "latest"
 FINGERPRINT = "fingerprint.json"

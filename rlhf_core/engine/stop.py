@@ -58,7 +58,7 @@ def _on_sigterm(signum, frame) -> None:
     _signalled_at = time.monotonic()
     say = f"SIGTERM: checkpointing at the next step boundary (at most {_grace_s:.0f}s)\n"
     with contextlib.suppress(OSError):  # os.write, not print: the signal may land inside a write to sys.stderr
-        os.write(2, say.encode())  # (a Python-level raw stream, rlhf_core.flow_watch), whose buffer is not reentrant
+        os.write(2, say.encode())  # (a Python raw stream, ops.flow_watch), whose buffer is not reentrant
     timer = threading.Timer(_grace_s, _out_of_grace)
     timer.daemon = True
     timer.start()

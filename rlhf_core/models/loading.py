@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import paths
 from rlhf_core.config import ComputeConfig, LoraConfig, Params
 from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.engine.errors import TrainingInputError
-from rlhf_core.integrity import verify_model_dir
 from rlhf_core.models.value_head import ValueHeadModel
-from rlhf_core.paths import ADAPTER_DIR
+from rlhf_core.ops import paths
+from rlhf_core.ops.integrity import verify_model_dir
+from rlhf_core.ops.paths import ADAPTER_DIR
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from rlhf_core.engine.distributed import full_param
-from rlhf_core.integrity import verify_model_dir
-from rlhf_core.paths import ADAPTER_DIR
+from rlhf_core.ops.integrity import verify_model_dir
+from rlhf_core.ops.paths import ADAPTER_DIR
 
 SEQ_CLS_SUFFIX = "ForSequenceClassification"
 HEAD = "score"  # the head's name in every decoder *ForSequenceClassification (and OpenRLHF's default)

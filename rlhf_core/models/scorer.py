@@ -23,7 +23,7 @@ from rlhf_core.models.value_head import ValueHeadModel
 
 # Scoring with shared prompts runs two forwards (prompts, then responses on their cache); it is used when it
 # computes at most this share of the plain forward's (padded) positions (how it was set, with the measurements
-# of `python -m rlhf_core.bench.shared_prefix`: docs/results/benchmarks-gpu-passes.md).
+# of `python -m benchmarks.shared_prefix`: docs/results/benchmarks-gpu-passes.md).
 SHARED_PREFIX_MAX_COST = 0.75
 
 

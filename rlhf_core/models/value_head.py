@@ -21,8 +21,8 @@ from torch import nn
 from rlhf_core.algos import gather_last
 from rlhf_core.engine.distributed import full_param
 from rlhf_core.models.reward_format import load_value_model, save_seq_cls
-from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
-from rlhf_core.prefix_cache import position_ids as positions_from_mask
+from rlhf_core.passes.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
+from rlhf_core.passes.prefix_cache import position_ids as positions_from_mask
 
 
 @dataclass

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import paths, tracking
-from rlhf_core.atomic import write_json_atomic
 from rlhf_core.config import Params
 from rlhf_core.evaluation import HeldOut, answer_batches, sequence_kl
-from rlhf_core.meta import dir_sha256
+from rlhf_core.ops import paths, tracking
+from rlhf_core.ops.atomic import write_json_atomic
+from rlhf_core.ops.meta import dir_sha256
 from rlhf_core.rewards import get_checker
 from rlhf_core.rewards.sources import RM_SOURCE, RewardSources
 

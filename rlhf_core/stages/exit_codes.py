@@ -8,7 +8,7 @@ code   meaning                                                      retried (Pre
 2      bad usage or invalid params; the message names the key       no: it fails the same way again
 3      the MLflow tracking server did not answer                    yes
 5      the same stage is already running on this workspace         yes: once that process has ended
-       (``rlhf_core.locks``; the message names its pid and host)
+       (``rlhf_core.ops.locks``; the message names its pid and host)
 65     input the stage refuses: data, a model directory, params     no
        that contradict the inputs (``EX_DATAERR``); the message
        names the file, line or key

@@ -31,18 +31,18 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import paths, tracking
-from rlhf_core.atomic import atomic_dir, copy_dir_atomic, write_json_atomic, write_text_atomic
 from rlhf_core.config import Params
 from rlhf_core.data.collate import left_pad_prompts
 from rlhf_core.data.feedback import checker_choices, draw_pairs, labelled_rows, read_labels
 from rlhf_core.data.readers import DataError
 from rlhf_core.data.tokenizer import load_tokenizer
-from rlhf_core.generation import GenerationConfig, rollout
-from rlhf_core.integrity import seal_model_dir
-from rlhf_core.meta import dir_sha256, write_meta
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.paths import start_dir
+from rlhf_core.ops import paths, tracking
+from rlhf_core.ops.atomic import atomic_dir, copy_dir_atomic, write_json_atomic, write_text_atomic
+from rlhf_core.ops.integrity import seal_model_dir
+from rlhf_core.ops.meta import dir_sha256, write_meta
+from rlhf_core.ops.paths import start_dir
+from rlhf_core.passes.generation import GenerationConfig, rollout
 from rlhf_core.rewards import get_checker
 from rlhf_core.rewards.sources import RewardSources
 from rlhf_core.stages.evaluate import load_champion

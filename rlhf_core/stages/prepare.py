@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_core import paths
-from rlhf_core.atomic import write_json_atomic
 from rlhf_core.config import Params, SourceConfig
 from rlhf_core.data.normalize import normalize_rows
 from rlhf_core.data.phases import (
@@ -47,9 +45,11 @@ from rlhf_core.data.tokenizer import (
     tiny_model_config,
     train_demo_tokenizer,
 )
-from rlhf_core.integrity import seal_model_dir
-from rlhf_core.meta import build_meta, file_sha256, write_meta
 from rlhf_core.models.importing import import_base_model
+from rlhf_core.ops import paths
+from rlhf_core.ops.atomic import write_json_atomic
+from rlhf_core.ops.integrity import seal_model_dir
+from rlhf_core.ops.meta import build_meta, file_sha256, write_meta
 from rlhf_core.rewards import arithmetic, demo_task
 
 # One pass over a raw source: (origin, record, format, source name); structural drops counted in the Counter given.

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import paths
-from rlhf_core.atomic import commit_dir, make_temp_dir, write_json_atomic, write_text_atomic
 from rlhf_core.config import EpochConfig, OptimConfig, Params
 from rlhf_core.data.readers import DataError
 from rlhf_core.engine import distributed as D
@@ -20,9 +18,11 @@ from rlhf_core.engine.checkpoint import CheckpointManager
 from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.engine.sampler import StepPlan
-from rlhf_core.integrity import seal_model_dir
-from rlhf_core.meta import build_meta, dir_sha256, file_sha256, write_meta
-from rlhf_core.model_card import CARD_FILE, render_model_card
+from rlhf_core.ops import paths
+from rlhf_core.ops.atomic import commit_dir, make_temp_dir, write_json_atomic, write_text_atomic
+from rlhf_core.ops.integrity import seal_model_dir
+from rlhf_core.ops.meta import build_meta, dir_sha256, file_sha256, write_meta
+from rlhf_core.ops.model_card import CARD_FILE, render_model_card
 
 # Keys of a stage section that do not change what is trained (excluded from the resume fingerprint).
 _NON_TRAINING_KEYS = ("save_every", "log_every", "resume", "keep_checkpoints")

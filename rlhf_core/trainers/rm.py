@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import paths
 from rlhf_core.algos import divergence_rm_loss, pairwise_rm_loss
 from rlhf_core.config import Params
 from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
@@ -39,6 +38,7 @@ from rlhf_core.models.loading import (
     save_value_model,
 )
 from rlhf_core.models.scorer import MEMBERS_DIR
+from rlhf_core.ops import paths
 from rlhf_core.trainers.common import (
     build_engine,
     checkpoints_for,
@@ -142,7 +142,7 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     if params.rm.ensemble > 1:
         metrics = summarise_ensemble(proxy, root, results[:params.rm.ensemble], log)
     if not params.rm.judge and D.is_main():
-        from rlhf_core.meta import write_meta_only
+        from rlhf_core.ops.meta import write_meta_only
 
         write_meta_only(root / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
                                                    "reason": "rm.judge is off"})
@@ -161,8 +161,8 @@ def summarise_ensemble(params: Params, root: Path, members: list[dict], log: Log
 
     ``ensemble_accuracy`` is not quite held out: the same pairs set each member's scale, which weighs the
     members in the mean (the centres cancel in a pairwise comparison). The members' own accuracies are."""
-    from rlhf_core.atomic import write_json_atomic
     from rlhf_core.models.scorer import ENSEMBLE_FILE, EnsembleScorer
+    from rlhf_core.ops.atomic import write_json_atomic
 
     metrics = dict(members[0])
     if D.is_main():

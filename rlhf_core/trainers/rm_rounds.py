@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_core import paths
 from rlhf_core.config import Params
 from rlhf_core.data.feedback import replay_indices
 from rlhf_core.data.readers import DataError
+from rlhf_core.ops import paths
 
 COLUMNS = ("id", "prompt", "chosen", "rejected")
 

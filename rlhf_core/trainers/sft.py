@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import paths
 from rlhf_core.algos import token_nll
 from rlhf_core.config import Params
 from rlhf_core.data.collate import (
@@ -37,6 +36,7 @@ from rlhf_core.models.loading import (
     load_training_tokenizer,
     save_causal_lm,
 )
+from rlhf_core.ops import paths
 from rlhf_core.trainers.common import (
     build_engine,
     checkpoints_for,

@@ -66,7 +66,7 @@ class StageJobOptions:
     # SIGTERM -> SIGKILL: above compute.stop_grace_s (600) plus one checkpoint write, so a preempted stage saves
     termination_grace_s: int = 900
     # A DVC remote (s3://bucket/path, gs://..., an S3-compatible server through AWS_ENDPOINT_URL in rlhf-endpoints):
-    # the stage runs under DVC against it, `rlhf repro NAME` (pull, skip when unchanged, push; rlhf_core/dvc_remote.py)
+    # the stage runs under DVC against it, `rlhf repro NAME` (pull, skip when unchanged, push; ops/dvc_remote.py)
     dvc_remote: str | None = None
 
     def __post_init__(self) -> None:

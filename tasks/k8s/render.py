@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rlhf_core.launch import KUBELET_MARGIN_S, LAUNCH_ENV
+from rlhf_core.ops.launch import KUBELET_MARGIN_S, LAUNCH_ENV
 from rlhf_core.stages import exit_codes
 from tasks.k8s.names import (
     COMPLETION_INDEX_ANNOTATION,
@@ -34,9 +34,9 @@ from tasks.k8s.options import StageJobOptions
 
 
 def launcher(termination_grace_s: int) -> list[str]:
-    """torchrun's command line through ``rlhf_core.launch``: its workers get the pod's grace less the kubelet's
+    """torchrun's command line through ``rlhf_core.ops.launch``: its workers get the pod's grace less the kubelet's
     margin to checkpoint after a SIGTERM (torchrun's own default is 30 s)."""
-    return ["python", "-m", "rlhf_core.launch", f"--shutdown-timeout={termination_grace_s - KUBELET_MARGIN_S}"]
+    return ["python", "-m", "rlhf_core.ops.launch", f"--shutdown-timeout={termination_grace_s - KUBELET_MARGIN_S}"]
 
 
 def single_node_launcher(nproc_per_node: int, termination_grace_s: int) -> list[str]:
@@ -45,14 +45,14 @@ def single_node_launcher(nproc_per_node: int, termination_grace_s: int) -> list[
 
 
 def repro_command(stage: str, remote: str, params_path: str | None) -> list[str]:
-    """Under DVC against a remote: ``rlhf repro NAME --remote URL [--params FILE]`` (``rlhf_core/dvc_remote.py``);
+    """Under DVC against a remote: ``rlhf repro NAME --remote URL [--params FILE]`` (``rlhf_core/ops/dvc_remote.py``);
     without ``params_path`` the params come from the remote (the flow uploads them)."""
     return ["rlhf", "repro", stage, "--remote", remote, *(["--params", params_path] if params_path else [])]
 
 
 def launch_env(nproc_per_node: int, termination_grace_s: int) -> dict[str, str]:
     """``RLHF_LAUNCH`` for several processes under DVC: DVC runs ``rlhf stage NAME``, which re-executes itself
-    under this launcher (``rlhf_core.launch.relaunch_command``)."""
+    under this launcher (``rlhf_core.ops.launch.relaunch_command``)."""
     if nproc_per_node == 1:
         return {}
     return {LAUNCH_ENV: " ".join(single_node_launcher(nproc_per_node, termination_grace_s))}
@@ -63,9 +63,9 @@ def stage_command(stage: str, params_path: str = "params.yaml", nnodes: int = 1,
                   termination_grace_s: int = StageJobOptions.termination_grace_s) -> list[str]:
     """The container command: ``rlhf stage NAME``, or torchrun running the same CLI module.
 
-    One process: ``rlhf stage NAME``.  Several on one node: ``python -m rlhf_core.launch --standalone
+    One process: ``rlhf stage NAME``.  Several on one node: ``python -m rlhf_core.ops.launch --standalone
     --nproc_per_node=N -m rlhf_core.cli stage NAME`` (torchrun with a shutdown timeout above the stop grace, and
-    the ranks' exit 75 kept: ``rlhf_core/launch.py``).  Several nodes (an Indexed Job): static rendezvous at pod 0
+    the ranks' exit 75 kept: ``rlhf_core/ops/launch.py``).  Several nodes (an Indexed Job): static rendezvous at pod 0
     (``<job>-0.<service>``), this node's rank from the Job completion index.
     """
     tail = ["stage", stage] + ([] if params_path == "params.yaml" else ["-p", params_path])

@@ -150,7 +150,7 @@ def render_trainjob(opts: StageJobOptions) -> dict:
       Job completion index), ``PET_MASTER_ADDR`` (``<name>-node-0-0.<name>``) and ``PET_MASTER_PORT`` (29500) in
       the trainer container, and torchrun's parser takes every option it is not given from ``PET_<OPTION>``;
       so the command is the launcher without rendezvous flags:
-      ``python -m rlhf_core.launch --shutdown-timeout=<grace - 30> -m rlhf_core.cli stage NAME -p ...``.
+      ``python -m rlhf_core.ops.launch --shutdown-timeout=<grace - 30> -m rlhf_core.cli stage NAME -p ...``.
     * The rest of the stage Job's pod goes in as one ``runtimePatches`` entry on the runtime's ``node`` Job:
       pod labels and annotations, service account, pod and container security context, the workspace,
       ``/dev/shm`` and params volumes and their mounts, node selector, tolerations, termination grace.

@@ -75,7 +75,7 @@ def build_work_pool_template(default_template: dict | None = None) -> dict:
     container["command"] = ["/usr/bin/env"]
     container["workingDir"] = WORKSPACE_DIR
     # A hard-coded env list: the worker prepends its own variables (the `env` job variable) to it.
-    # RLHF_IMAGE: the flow-run pod's own image, for the lineage tags of the versions it registers (rlhf_core/meta.py)
+    # RLHF_IMAGE: the flow-run pod's own image, for the lineage tags of the versions it registers (ops/meta.py)
     container["env"] = [{"name": "RLHF_IMAGE", "value": "{{ image }}"}] + [
         e for e in stage_env(None) if e["name"] != "PREFECT_API_URL"] + [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in FLOW_JOB_ENV.items()]

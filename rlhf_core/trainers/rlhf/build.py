@@ -22,8 +22,8 @@ from rlhf_core.engine import distributed as D
 from rlhf_core.engine.engine import TrainEngine
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.engine.sampler import ResumableSampler, StepPlan
-from rlhf_core.generation import GenerationConfig
 from rlhf_core.models.loading import check_vocab_fits
+from rlhf_core.passes.generation import GenerationConfig
 from rlhf_core.rewards.sources import RewardSources
 from rlhf_core.trainers.rlhf.algorithms import Algorithm, algorithm_for
 from rlhf_core.trainers.rlhf.ema import EMA

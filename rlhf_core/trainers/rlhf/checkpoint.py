@@ -70,6 +70,6 @@ class MultiEngineCheckpoint(CheckpointManager):
 
 
 def checkpoint_dir(root: str | Path) -> Path:
-    from rlhf_core import paths
+    from rlhf_core.ops import paths
 
     return Path(root) / paths.CHECKPOINTS / "rlhf"

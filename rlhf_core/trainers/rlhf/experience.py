@@ -10,7 +10,7 @@ One generation batch goes through these steps (``ExperienceMaker.make``)::
       -> one pass per model under ``torch.inference_mode()``, logits only over response positions:
          actor old log-probs (unless recorded while sampling), reference log-probs, critic values
 
-Masks (see ``rlhf_core.generation``): prompts are left-padded; a response ends at its first EOS, which is an
+Masks (see ``rlhf_core.passes.generation``): prompts are left-padded; a response ends at its first EOS, which is an
 action; everything after it is masked; ``pad == eos`` tokenizers work because the mask comes from EOS
 positions only; the logits at position ``t`` score token ``t + 1``, so a response of ``R`` tokens is scored
 by the logits at positions ``-R-1 .. -2`` and the critic's value of action ``t`` is read at the same place
@@ -36,53 +36,14 @@ import torch.nn.functional as F
 
 from rlhf_core.algos import kl_estimate
 from rlhf_core.engine import distributed as D
-from rlhf_core.generation import (
+from rlhf_core.passes.generation import (
     GenerationConfig,
     PromptResponseBatch,
     ended_with_eos,
-    position_ids,
     response_logprobs,
     rollout,
-    shared_prefix_split,
 )
-from rlhf_core.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
-
-
-# --------------------------------------------------------------------------- the critic's forward
-def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                    group: torch.Tensor | None = None) -> torch.Tensor:
-    """Critic values ``[B, R]`` of the response actions: the value head at positions ``-R-1 .. -2`` (the state
-    before each response token; the last token is not fed).
-
-    ``group`` (rows of one prompt consecutive): each prompt but its last token goes through the critic once and
-    its KV cache is indexed out to its rows per bucket of response lengths, as the actor's log-prob pass does
-    (``generation.shared_prefix_logits``); the same values and gradients at the masked-in positions up to float
-    rounding, 0 past a row's bucket width. Models that cannot share the cache (``supports_prefix_cache``), and
-    under ZeRO-3 over several ranks all ranks unless every one can, run the full rows.
-    """
-    split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
-    shares = split is not None and supports_prefix_cache(critic)
-    lockstep = D.forwards_in_lockstep(critic)
-    if lockstep:
-        (shares,) = D.all_agree(shares)
-    values = None
-    if shares:
-        first, owner, P = split
-
-        def cache_forward(ids, mask, pos, cache):
-            return critic(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
-
-        def suffix_values(ids, mask, cache):  # positions: from that mask, as the full rows'
-            return critic(ids, mask, past_key_values=cache, use_cache=True).values
-
-        values = on_shared_prefixes(cache_forward, suffix_values, sequences[first, :P - 1],
-                                    attention_mask[first, :P - 1], owner, sequences[:, P - 1:],
-                                    attention_mask[:, P - 1:], response_lengths(attention_mask[:, P:]), response_len,
-                                    lockstep)
-    if values is None:
-        mask = attention_mask[:, :-1]
-        values = critic(sequences[:, :-1], mask, position_ids(mask)).values[:, -response_len:]
-    return values
+from rlhf_core.passes.values import sequence_values
 
 
 # --------------------------------------------------------------------------- responses

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import paths
 from rlhf_core.config import Params
 from rlhf_core.data.collate import Ragged, SFTData, build_sft_data, encode_prompts, encode_sequences
 from rlhf_core.data.tokenizer import load_tokenizer, same_tokenizer
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.evaluation import HeldOut
+from rlhf_core.ops import paths
 from rlhf_core.rewards.registry import REWARD_FUNCTIONS
 from rlhf_core.rewards.sources import RM_SOURCE
 from rlhf_core.trainers.common import default_max_length, read_split

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_core import paths
-from rlhf_core.atomic import atomic_dir, write_json_atomic, write_text_atomic
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.loop import TrainState
-from rlhf_core.integrity import seal_model_dir
-from rlhf_core.meta import dir_sha256, write_meta, write_meta_only
-from rlhf_core.model_card import CARD_FILE, render_model_card
 from rlhf_core.models.loading import save_causal_lm, save_value_model
+from rlhf_core.ops import paths
+from rlhf_core.ops.atomic import atomic_dir, write_json_atomic, write_text_atomic
+from rlhf_core.ops.integrity import seal_model_dir
+from rlhf_core.ops.meta import dir_sha256, write_meta, write_meta_only
+from rlhf_core.ops.model_card import CARD_FILE, render_model_card
 from rlhf_core.trainers.common import save_final, stage_meta, write_curve
 from rlhf_core.trainers.rlhf.build import RLHFBundle
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_core.algos import kl_estimate, masked_mean, policy_loss, value_loss
-from rlhf_core.generation import response_logprobs
-from rlhf_core.trainers.rlhf.experience import Experience, sequence_values
+from rlhf_core.passes.generation import response_logprobs
+from rlhf_core.passes.values import sequence_values
+from rlhf_core.trainers.rlhf.experience import Experience
 
 
 @dataclass(frozen=True)

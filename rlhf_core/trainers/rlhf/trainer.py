@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import paths, tracking
 from rlhf_core.config import Params, for_round
 from rlhf_core.data.collate import collate_sft, left_pad_prompts
 from rlhf_core.engine import distributed as D
@@ -39,6 +38,7 @@ from rlhf_core.engine.errors import NonFiniteLossError
 from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.engine.stop import StopRequested, stop_requested
 from rlhf_core.evaluation import heldout_eval
+from rlhf_core.ops import paths, tracking
 from rlhf_core.trainers.common import fingerprint, input_hashes, resume_or_start
 from rlhf_core.trainers.rlhf.algorithms import compute_advantages
 from rlhf_core.trainers.rlhf.build import RLHFBundle, build

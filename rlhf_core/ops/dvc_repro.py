@@ -1,7 +1,7 @@
 """``dvc repro --single-item STAGE`` as a child process group: its output streamed, its outcome read back.
 
 Shared by the Prefect stage task (``tasks.stages``, local backend) and ``rlhf repro`` (a stage pod running
-under DVC against a remote, ``rlhf_core.dvc_remote``). DVC and the stage run in their own process group, so
+under DVC against a remote, ``rlhf_core.ops.dvc_remote``). DVC and the stage run in their own process group, so
 whoever started them can stop all of it: :func:`stop_process_group` sends SIGTERM (the stage checkpoints and
 exits 75), then SIGKILL after ``STOP_GRACE_S``.
 

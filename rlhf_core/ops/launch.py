@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.launch [torchrun args] -m rlhf_core.cli stage NAME``: torchrun, made safe to preempt.
+"""``python -m rlhf_core.ops.launch [torchrun args] -m rlhf_core.cli stage NAME``: torchrun, made safe to preempt.
 
 torchrun alone loses a preempted stage's checkpoint and its exit code:
 
@@ -35,7 +35,7 @@ LAUNCH_ENV = "RLHF_LAUNCH"  # a launcher command line `rlhf stage` re-executes i
 
 
 def relaunch_command(argv: list[str]) -> list[str] | None:
-    """Where ``$RLHF_LAUNCH`` names a launcher (``python -m rlhf_core.launch --standalone --nproc_per_node=4``)
+    """Where ``$RLHF_LAUNCH`` names a launcher (``python -m rlhf_core.ops.launch --standalone --nproc_per_node=4``)
     and this process is not one of its workers (no ``LOCAL_RANK``): the command running ``rlhf ARGV`` under it,
     ``LAUNCHER -m rlhf_core.cli ARGV``. DVC can then run a multi-process stage through the one command in
     ``dvc.yaml``. ``None``: run here."""

@@ -1,6 +1,6 @@
 """TRL's ``GRPOTrainer`` on the workload of ``rlhf bench grpo``, for a like-for-like samples/s figure.
 
-``python -m rlhf_core.bench.trl_speed [--iterations 3] [--threads 2]`` (needs ``pip install -e ".[bench]"``).
+``python -m benchmarks.trl_speed [--iterations 3] [--threads 2]`` (needs ``pip install -e ".[bench]"``).
 
 Same data, the same random-init tiny Llama (``build_workspace``), the same reward (``exact_answer``) and the
 same work per optimizer step: 16 prompts x G=8 = 128 completions of exactly 32 new tokens
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.bench.rlhf import bench_params, build_workspace
+from benchmarks.rlhf import bench_params, build_workspace
 
 
 def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = None) -> dict:
@@ -30,8 +30,8 @@ def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = N
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf_core import paths
     from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.ops import paths
     from rlhf_core.rewards import check_answer
 
     if threads:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.prefix_cache import model_config, recurrent_layers, refused, response_lengths, windowed_attention
+from rlhf_core.passes.prefix_cache import model_config, recurrent_layers, refused, response_lengths, windowed_attention
 
 # Attention over a packed row grows with its width squared: the widest row packed, where packing stopped paying
 # against the shared cache (docs/results/benchmarks-gpu-passes.md, "Packed groups on a GPU, and where packing stops

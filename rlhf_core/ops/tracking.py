@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from rlhf_core import paths
 from rlhf_core.config import ConfigError, Params
-from rlhf_core.meta import code_lineage
+from rlhf_core.ops import paths
+from rlhf_core.ops.meta import code_lineage
 
 ENV_PARENT = "RLHF_PARENT_RUN_ID"
 ENV_TRACKING = "RLHF_TRACKING"

@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.bench.ptx_filter WORKSPACE... [--floors -1,0,1]``: what ``rlhf.ptx_min_reward`` keeps.
+"""``python -m benchmarks.ptx_filter WORKSPACE... [--floors -1,0,1]``: what ``rlhf.ptx_min_reward`` keeps.
 
 The ptx loss imitates ``sft.parquet``. On the demo task a share of those demonstrations is wrong
 (``data.demo.wrong_share``, and every demonstration of a slipped question with ``data.demo.slip_share``), so
@@ -33,9 +33,9 @@ def filter_shares(scores: torch.Tensor, correct: torch.Tensor, floor: float) -> 
 
 
 def evaluate_workspace(root: Path, floors: list[float]) -> dict:
-    from rlhf_core import paths
     from rlhf_core.config import load_params
     from rlhf_core.models import load_scorer
+    from rlhf_core.ops import paths
     from rlhf_core.rewards.demo_task import check_answer, question_of, slipped, solve
     from rlhf_core.trainers.common import read_split
 

@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
-from rlhf_core.atomic import write_json_atomic
-from rlhf_core.integrity import MODEL_MANIFEST
-from rlhf_core.integrity import sha256_file as file_sha256
+from rlhf_core.ops.atomic import write_json_atomic
+from rlhf_core.ops.integrity import MODEL_MANIFEST
+from rlhf_core.ops.integrity import sha256_file as file_sha256
 
 META_FILE = "rlhf_meta.json"
 _PACKAGES = ("rlhf-ops", "torch", "transformers", "deepspeed", "datasets", "peft", "tokenizers")

@@ -1,8 +1,8 @@
 """TRL's ``GRPOTrainer`` on our RLHF budget, judged by our held-out evaluator: the peer in the learning comparison.
 
-``python -m rlhf_core.bench.trl_grpo [--seed S] [--threads N] [-S key=value ...]`` in a workspace holding
+``python -m benchmarks.trl_grpo [--seed S] [--threads N] [-S key=value ...]`` in a workspace holding
 ``data/prepared`` and ``models/sft`` (and ``models/rm`` for the RM reward); needs the ``bench`` extra (trl).
-``rlhf_core.bench.learning`` runs it as the variant ``trl``, next to ours, from the same base workspace.
+``benchmarks.learning`` runs it as the variant ``trl``, next to ours, from the same base workspace.
 
 The same inputs and budget as ``rlhf stage rlhf`` with ``rlhf.algorithm: grpo`` and the same params:
 
@@ -41,10 +41,10 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf_core import paths
-    from rlhf_core.atomic import write_json_atomic
     from rlhf_core.data.tokenizer import load_tokenizer
     from rlhf_core.evaluation import heldout_eval
+    from rlhf_core.ops import paths
+    from rlhf_core.ops.atomic import write_json_atomic
     from rlhf_core.rewards.sources import RewardSources
     from rlhf_core.trainers.rlhf.inputs import load_prompts
 

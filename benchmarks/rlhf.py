@@ -51,9 +51,9 @@ def build_workspace(params, root: Path, with_rm: bool) -> None:
     """Demo data + a random-init tiny SFT model (and value model) under ``root``."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from rlhf_core import paths
     from rlhf_core.data.tokenizer import load_tokenizer
     from rlhf_core.models.value_head import ValueHeadModel
+    from rlhf_core.ops import paths
     from rlhf_core.stages.prepare import prepare
 
     prepare(params, root)

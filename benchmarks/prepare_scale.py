@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.bench.prepare_scale``: the prepare stage on a large generated source; peak RSS and time.
+"""``python -m benchmarks.prepare_scale``: the prepare stage on a large generated source; peak RSS and time.
 
 Writes ``--rows`` distinct rows (a third demonstrations, a third preference pairs, a third bare prompts) as
 JSONL to ``--source`` (a local path or any fsspec URL: ``s3://bucket/rows.jsonl`` against the endpoint in
@@ -7,7 +7,7 @@ in a fresh workspace under ``--workdir`` as a child process, and prints one JSON
 wall seconds, the child's peak RSS (``ru_maxrss``) and the prepared counts. ``--pythonpath`` runs another
 checkout's code (a before/after comparison on the same file).
 
-    AWS_ENDPOINT_URL=http://127.0.0.1:5057 python -m rlhf_core.bench.prepare_scale --rows 1000000 \\
+    AWS_ENDPOINT_URL=http://127.0.0.1:5057 python -m benchmarks.prepare_scale --rows 1000000 \\
         --source s3://rlhf-bench/rows.jsonl --workdir /tmp/prep-bench
 """
 

@@ -1,10 +1,10 @@
-"""``python -m rlhf_core.bench.slip_split RUN_DIR...``: held-out accuracy split by what imitation can learn.
+"""``python -m benchmarks.slip_split RUN_DIR...``: held-out accuracy split by what imitation can learn.
 
 With ``data.demo.slip_share`` > 0 the demo's questions fall in two sets: *slipped* questions, whose every SFT
 demonstration carries the same wrong answer (correct + 10) and whose preference pairs prefer the correct
 answer, and the rest. On the first set only the preferences (the reward model) know the answer; on the second,
 imitation does too.
-For each run directory of ``rlhf_core.bench.learning`` this prints the greedy held-out accuracy of the SFT start
+For each run directory of ``benchmarks.learning`` this prints the greedy held-out accuracy of the SFT start
 and of the trained actor on both sets, judged by the task's checker (``rlhf_core.evaluation.heldout_eval``),
 one JSON line per run.
 """
@@ -32,11 +32,11 @@ def split_by_slip(prompts: list[str], slip_share: float, seed: int) -> tuple[lis
 def evaluate_run(run: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core import paths
     from rlhf_core.config import load_params
     from rlhf_core.data.collate import encode_prompts
     from rlhf_core.data.tokenizer import load_tokenizer
     from rlhf_core.evaluation import HeldOut, heldout_eval
+    from rlhf_core.ops import paths
     from rlhf_core.trainers.rlhf.inputs import load_prompts
 
     params = load_params(run / "params.yaml")

@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.bench.kill_campaign``: SIGKILL a training stage at random moments, re-run it, compare.
+"""``python -m benchmarks.kill_campaign``: SIGKILL a training stage at random moments, re-run it, compare.
 
 For a stage (``sft``, ``rm``, ``rlhf``) of a base workspace (``data/prepared`` and the models the stage reads):
 
@@ -17,7 +17,7 @@ For a stage (``sft``, ``rm``, ``rlhf``) of a base workspace (``data/prepared`` a
 One JSON line per kill goes to ``--out`` and a summary table to stdout. Each run uses ``--threads`` torch
 threads; the stage logs every step (``<stage>.log_every=1``) so the last logged step is exact.
 
-    python -m rlhf_core.bench.kill_campaign --workspace W --stage sft --kills 10 --out kills.jsonl \\
+    python -m benchmarks.kill_campaign --workspace W --stage sft --kills 10 --out kills.jsonl \\
         -S sft.max_steps=40 -S sft.save_every=10
 """
 

@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.bench.kill_flow``: SIGKILL ``rlhf run`` at random moments, re-run it, compare.
+"""``python -m benchmarks.kill_flow``: SIGKILL ``rlhf run`` at random moments, re-run it, compare.
 
 For a project directory ``--project P`` that has not run yet (a checkout of this repository with the
 params.yaml to run, e.g. tiny params):
@@ -7,7 +7,7 @@ params.yaml to run, e.g. tiny params):
    remote, all under ``.rlhf``) in a fresh copy of ``P``: its wall time ``T``, its models' weights, its registry;
 2. ``--kills`` times, in a fresh copy: ``rlhf run`` in its own process group, SIGKILLed (the whole group: the
    flow and what runs in its session; the stages run in sessions of their own and must stop by themselves,
-   ``rlhf_core.flow_watch``) after a delay drawn uniformly in ``--from-s .. T``, then
+   ``rlhf_core.ops.flow_watch``) after a delay drawn uniformly in ``--from-s .. T``, then
    * what the kill left: the stage running at the kill, how long it took to stop and what it said (one
      still running after ``--stop-timeout`` seconds would be a defect, and is killed), every model directory
      absent, whole or partial (against its manifest; partial would be a defect);
@@ -17,7 +17,7 @@ params.yaml to run, e.g. tiny params):
 
 One JSON line per kill goes to ``--out``, a summary table to stdout. Needs no server and no network.
 
-    python -m rlhf_core.bench.kill_flow --project P --kills 5 --seed 1 --out kills-flow.jsonl
+    python -m benchmarks.kill_flow --project P --kills 5 --seed 1 --out kills-flow.jsonl
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf_core.bench.kill_campaign import run_kills, sigkill_group_after, weights_hash
-from rlhf_core.integrity import MODEL_MANIFEST, check_manifest
+from benchmarks.kill_campaign import run_kills, sigkill_group_after, weights_hash
+from rlhf_core.ops.integrity import MODEL_MANIFEST, check_manifest
 
 MODELS = {"sft": "models/sft", "rm": "models/rm", "actor": "models/actor", "critic": "models/critic"}
 KINDS = ("actor", "critic", "reward")
@@ -108,7 +108,7 @@ def model_states(run_dir: Path) -> dict[str, str]:
 def registry(run_dir: Path) -> dict:
     """Per kind: versions (number, complete) and the versions ``champion`` / ``challenger`` name."""
     code = ("import json, sys; from mlflow import MlflowClient; from rlhf_core.config import load_params; "
-            "from rlhf_core import tracking; p = load_params('params.yaml'); "
+            "from rlhf_core.ops import tracking; p = load_params('params.yaml'); "
             "c = MlflowClient(tracking.tracking_uri(p)); pre = tracking.registry_prefix(p); out = {}\n"
             "for k in sys.argv[1:]:\n"
             "    vs = c.search_model_versions(f\"name='{pre}-{k}'\")\n"

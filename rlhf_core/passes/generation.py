@@ -18,8 +18,8 @@ import torch
 from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.data import collate
 from rlhf_core.engine import distributed as D
-from rlhf_core.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, packed_width, supports_packing
-from rlhf_core.prefix_cache import (
+from rlhf_core.passes.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, packed_width, supports_packing
+from rlhf_core.passes.prefix_cache import (
     on_shared_prefixes,
     position_ids,
     response_lengths,

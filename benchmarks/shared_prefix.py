@@ -1,6 +1,6 @@
 """Shared prompts computed once against the plain forward, on random Llama models of any size and device.
 
-``python -m rlhf_core.bench.shared_prefix [--device cuda] [--dtype bf16] [--hidden 2048 --layers 16 ...]``
+``python -m benchmarks.shared_prefix [--device cuda] [--dtype bf16] [--hidden 2048 --layers 16 ...]``
 
 Rows come as the RL stage makes them: ``rows / group`` prompts of 1/2..1 x ``--prompt-len`` tokens, left-padded, the
 first ``--head`` of them the same in every prompt (a system prompt or chat template's opening, computed once for all
@@ -12,7 +12,7 @@ once, its KV cache indexed out to its rows), alternating, median of ``--repeats`
   prompt's KV cache indexed out to buckets of response lengths;
 * ``actor fwd+bwd packed``: the same pass with each group's responses packed after its prompt in one row
   (``group_packing``; ``--pack-max-width`` overrides the widest row it packs, to find where it stops paying);
-* ``critic fwd+bwd``: ``experience.sequence_values`` (the PPO critic's value pass and training step);
+* ``critic fwd+bwd``: ``passes.values.sequence_values`` (the PPO critic's value pass and training step);
 * ``rm score``: ``ValueHeadModel.forward`` over the full rows against ``shared_prefix_scores`` (RM scoring).
 
 One JSON line per pass: times (ms), ``shared / plain``, the largest difference of the outputs, and the largest
@@ -91,11 +91,11 @@ def _compare(name, plain_fn, shared_fn, model, device, repeats):
 def run(args) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
-    from rlhf_core import generation
-    from rlhf_core.generation import response_logprobs, shared_prefix_split
-    from rlhf_core.group_packing import packed_width
     from rlhf_core.models.value_head import ValueHeadModel
-    from rlhf_core.trainers.rlhf.experience import sequence_values
+    from rlhf_core.passes import generation
+    from rlhf_core.passes.generation import response_logprobs, shared_prefix_split
+    from rlhf_core.passes.group_packing import packed_width
+    from rlhf_core.passes.values import sequence_values
 
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.bench.rm_top1 WORKSPACE...``: how often the reward model's best answer is the right one.
+"""``python -m benchmarks.rm_top1 WORKSPACE...``: how often the reward model's best answer is the right one.
 
 A pairwise (Bradley-Terry) RM is trained to rank one chosen answer above one rejected answer. Its held-out
 pairwise accuracy does not say whether the best answer it can be offered is the right one, and that is what RL
@@ -32,10 +32,10 @@ def shares(correct: torch.Tensor, slipped: torch.Tensor) -> dict[str, float | No
 
 
 def evaluate_workspace(root: Path) -> dict:
-    from rlhf_core import paths
-    from rlhf_core.bench.slip_split import split_by_slip
+    from benchmarks.slip_split import split_by_slip
     from rlhf_core.config import load_params
     from rlhf_core.models import EnsembleScorer, load_scorer
+    from rlhf_core.ops import paths
     from rlhf_core.rewards.demo_task import render_answer
     from rlhf_core.trainers.common import read_split
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_core.dvc_repro import ReproOutcome, run_repro, stage_env
+from rlhf_core.ops.dvc_repro import ReproOutcome, run_repro, stage_env
 
 STATE_DIR = "rlhf-state"
 REMOTE_NAME = "rlhf"
@@ -55,7 +55,7 @@ def project_dir() -> Path:
     """The folder holding ``dvc.yaml`` and the stage sources: ``$RLHF_PROJECT_DIR``, else this checkout (an
     editable install), else the image's ``/opt/rlhf-ops``."""
     given = os.environ.get(PROJECT_DIR_ENV)
-    candidates = [Path(given)] if given else [Path(__file__).resolve().parents[1], IMAGE_PROJECT_DIR]
+    candidates = [Path(given)] if given else [Path(__file__).resolve().parents[2], IMAGE_PROJECT_DIR]
     for candidate in candidates:
         if (candidate / "dvc.yaml").is_file():
             return candidate

@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from rlhf_core.atomic import write_json_atomic
+from rlhf_core.ops.atomic import write_json_atomic
 
 MODEL_MANIFEST = "rlhf_manifest.json"
 

@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.bench.kill_register``: SIGKILL ``rlhf register`` at random moments, re-run it, check
+"""``python -m benchmarks.kill_register``: SIGKILL ``rlhf register`` at random moments, re-run it, check
 the registry.
 
 For a workspace holding trained models (``models/actor``, ``models/critic``, ``models/rm``) and an MLflow
@@ -18,7 +18,7 @@ server (``--tracking-uri``, a real one: the registry's own behaviour is what is 
 One JSON line per kill goes to ``--out``, a summary table to stdout.
 
     mlflow server --backend-store-uri sqlite:///k/mlflow.db --default-artifact-root k/artifacts --port 5055 &
-    python -m rlhf_core.bench.kill_register --workspace W --tracking-uri http://127.0.0.1:5055 --kills 10 \\
+    python -m benchmarks.kill_register --workspace W --tracking-uri http://127.0.0.1:5055 --kills 10 \\
         --out k/kills-register.jsonl
 """
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_core.bench.kill_campaign import run_kills, sigkill_group_after
+from benchmarks.kill_campaign import run_kills, sigkill_group_after
 
 KINDS = {"actor": "models/actor", "critic": "models/critic", "reward": "models/rm"}
 
@@ -72,7 +72,7 @@ def files_whole(kind: str, version, workspace: Path) -> bool:
     import torch
     from safetensors.torch import load_file
 
-    from rlhf_core.integrity import MODEL_MANIFEST, check_manifest
+    from rlhf_core.ops.integrity import MODEL_MANIFEST, check_manifest
 
     with tempfile.TemporaryDirectory() as tmp:
         try:

@@ -1,4 +1,4 @@
-"""``python -m rlhf_core.bench.learning``: held-out learning figures over seeds, variants side by side.
+"""``python -m benchmarks.learning``: held-out learning figures over seeds, variants side by side.
 
 A training-reward curve proves nothing (it is what reward hacking looks like), so this runner reports what
 the reward does not control: the greedy held-out accuracy judged by the task's checker, over several seeds,
@@ -9,12 +9,12 @@ time, interleaved across variants (on a shared machine a variant does not get th
 
 ``variant`` is ``NAME=KEY=VALUE[,KEY=VALUE...]`` (the overrides of ``rlhf stage -S``); ``NAME`` alone is the
 base params. A NAME starting with ``trl`` runs TRL's ``GRPOTrainer`` on the same budget instead
-(``rlhf_core.bench.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
+(``benchmarks.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
 run, appended as runs finish, with the RM and SFT builds, the params digest and the overrides it ran with:
 :func:`provenance`; a re-run skips the pairs already there) and
 the summary table to stdout.
 
-    python -m rlhf_core.bench.learning --workspace W --seeds 1,2,3,4 --out runs \\
+    python -m benchmarks.learning --workspace W --seeds 1,2,3,4 --out runs \\
         ours_grpo=rlhf.algorithm=grpo trl
 """
 
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf_core import paths
+from rlhf_core.ops import paths
 
 LINKED = ("data", "models/sft", "models/rm", "models/base", "params.yaml")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
@@ -72,7 +72,7 @@ def weights_digest(model_dir: Path, also: tuple[str, ...] = ()) -> str | None:
     """12 hex digits of a sha256 over the ``*.safetensors`` files under ``model_dir`` and the files named in
     ``also``, each with its relative path; None when there are none. Metadata (timestamps) does not count, so an
     identical retraining (training is deterministic on one thread) gets the same digest and any other another."""
-    from rlhf_core.integrity import sha256_file
+    from rlhf_core.ops.integrity import sha256_file
 
     files = sorted(p for p in model_dir.rglob("*") if p.suffix == ".safetensors" or p.name in also) \
         if model_dir.is_dir() else []
@@ -95,7 +95,7 @@ def rm_build(base: Path) -> str | None:
 def provenance(base: Path, extra: tuple[str, ...]) -> dict:
     """What every row of one invocation shares: the RM and SFT builds, a digest of the workspace's
     ``params.yaml``, and the ``-S`` overrides given to every variant (a row's own are in ``overrides``)."""
-    from rlhf_core.integrity import sha256_file
+    from rlhf_core.ops.integrity import sha256_file
 
     params = base / "params.yaml"
     return {"rm_build": rm_build(base), "sft_build": weights_digest(base / paths.SFT_MODEL),
@@ -109,7 +109,7 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}  # each run is its own world of one
     env |= {"RLHF_TRACKING": "off", "OMP_NUM_THREADS": str(threads)}
     if variant.name.startswith("trl"):
-        cmd = [sys.executable, "-m", "rlhf_core.bench.trl_grpo", "--seed", str(seed), "--threads", str(threads),
+        cmd = [sys.executable, "-m", "benchmarks.trl_grpo", "--seed", str(seed), "--threads", str(threads),
                *[a for o in (*extra, *variant.overrides) for a in ("-S", o)]]
     else:
         sets = [f"project.seed={seed}", f"compute.num_threads={threads}", *extra, *variant.overrides]
