@@ -1,4 +1,5 @@
-"""Pure, vectorised tensor math for PPO / GRPO: masking, KL, advantages and losses.
+"""Pure, vectorised tensor math for PPO / GRPO: masking, KL, advantages and losses; process supervision
+(step ends, the PRM loss, per-step advantages).
 
 No I/O, no models, no config objects. Tensors are ``[B, T]`` over response positions with a 0/1 ``mask`` of
 valid action positions unless a docstring says otherwise.
@@ -39,6 +40,7 @@ from rlhf_core.algos.masking import (
     masked_var,
     masked_whiten,
 )
+from rlhf_core.algos.process import process_advantages, step_bce_loss, step_ends
 
 __all__ = [
     "IGNORE_INDEX",
@@ -62,8 +64,11 @@ __all__ = [
     "masked_whiten",
     "pairwise_rm_loss",
     "policy_loss",
+    "process_advantages",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "step_bce_loss",
+    "step_ends",
     "token_nll",
     "value_loss",
 ]

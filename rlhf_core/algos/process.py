@@ -1,0 +1,71 @@
+"""Process supervision (DeepSeekMath, Shao et al. 2024, section 4.1.3; Math-Shepherd, Wang et al. 2024).
+
+A response is a chain of steps; a process reward model (PRM) scores the end of each step. Over ``[B, T]``
+response positions, with ``ends`` marking the token that ends a step:
+
+    step ends        e(i, t) = token t of row i is a delimiter, or row i's last valid token
+    PRM loss         L = mean over step ends of BCE(sigmoid(s(i, t)), y(i, t))          y: the step's label
+    normalised       r~(i, t) = (r(i, t) - mean(R_g)) / (std(R_g) + eps)   R_g: every step reward of the
+                     group g of i (its G outputs of one prompt), std unbiased
+    advantage        A(i, t) = sum over step ends t' >= t of r~(i, t')
+
+so a token is credited with the normalised rewards of its own step and of every later one. Groups are
+``group_size`` consecutive rows, as in :func:`rlhf_core.algos.advantages.group_advantages`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.algos.advantages import _grouped
+from rlhf_core.algos.masking import as_bool_mask
+
+__all__ = ["process_advantages", "step_bce_loss", "step_ends"]
+
+
+def step_ends(response_ids: torch.Tensor, mask: torch.Tensor, delimiter_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the steps of each response end, and which rows hold an empty step.
+
+    ``ends[i, t]``: token ``t`` is ``delimiter_id`` or row ``i``'s last valid token (a response without a
+    delimiter is one step). ``empty[i]``: a step of row ``i`` has no token but its delimiter (the response opens
+    with one, or two follow each other); the caller drops such rows and counts them. A row with no valid token
+    has no step end. Both detached; ``ends`` is 0 outside ``mask``.
+    """
+    m = as_bool_mask(mask)
+    last = m & ~F.pad(m[:, 1:], (0, 1), value=False)
+    delim = m & (response_ids == delimiter_id)
+    ends = delim | last
+    first = m & ~F.pad(m[:, :-1], (1, 0), value=False)
+    previous_ended = F.pad(ends[:, :-1], (1, 0), value=False)
+    empty = (delim & (first | previous_ended)).any(dim=1)
+    return ends, empty
+
+
+def step_bce_loss(step_logits: torch.Tensor, labels: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """PRM loss: mean binary cross-entropy of the step scores (logits) against the step labels (1 correct,
+    0 wrong), over the step ends only. No step end at all: 0 (keeps the graph)."""
+    e = as_bool_mask(ends)
+    per_token = F.binary_cross_entropy_with_logits(step_logits, labels.to(step_logits.dtype), reduction="none")
+    return (per_token * e).sum() / e.sum().clamp(min=1)
+
+
+def process_advantages(step_rewards: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor, group_size: int,
+                       eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages under process supervision: ``A(i, t) = sum_{t' >= t, t' a step end} r~(i, t')``.
+
+    ``step_rewards`` ``[B, T]``: the PRM's reward of each step, read at its end (other positions ignored);
+    ``r~`` normalises them over all the step ends of a group (module docstring); a group with a single step
+    end has std 0. ``[B, T]``, detached, 0 outside ``mask``.
+    """
+    e = as_bool_mask(ends) & as_bool_mask(mask)
+    B, T = step_rewards.shape
+    r = _grouped(step_rewards.detach().to(torch.float64), group_size).reshape(-1, group_size * T)
+    g = _grouped(e, group_size).reshape(-1, group_size * T)
+    count = g.sum(dim=1, keepdim=True)
+    mean = (r * g).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    var = (((r - mean) * g) ** 2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+    normalised = torch.where(g, (r - mean) / (var.sqrt() + eps), torch.zeros((), dtype=r.dtype))
+    per_row = normalised.reshape(B, T)
+    to_go = per_row.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(as_bool_mask(mask), to_go, torch.zeros((), dtype=to_go.dtype)).to(step_rewards.dtype)

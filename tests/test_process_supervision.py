@@ -1,0 +1,66 @@
+"""Process supervision's math (rlhf_core/algos/process.py) against hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_core.algos.process import process_advantages, step_bce_loss, step_ends
+
+D = 9  # the delimiter token
+
+
+def test_step_ends_are_the_delimiters_and_the_last_token():
+    ids = torch.tensor([[5, D, 6, 7, 2, 0],    # two steps: "5 D" and "6 7 EOS"; 0 is padding
+                        [5, 6, 2, 0, 0, 0],    # no delimiter: one step
+                        [5, D, 6, D, 0, 0],    # ends on a delimiter: it is also the last token (one end)
+                        [0, 0, 0, 0, 0, 0]])   # no valid token: no step
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [0] * 6])
+    ends, empty = step_ends(ids, mask, D)
+    assert ends.int().tolist() == [[0, 1, 0, 0, 1, 0], [0, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0], [0] * 6]
+    assert empty.tolist() == [False, False, False, False]
+
+
+def test_an_empty_step_is_flagged():
+    ids = torch.tensor([[D, 5, 6, 2],   # opens with a delimiter
+                        [5, D, D, 2],   # two delimiters in a row
+                        [5, D, 6, D]])  # fine
+    ends, empty = step_ends(ids, torch.ones(3, 4), D)
+    assert empty.tolist() == [True, True, False]
+    assert ends.int().tolist() == [[1, 0, 0, 1], [0, 1, 1, 1], [0, 1, 0, 1]]
+
+
+def test_step_bce_loss_by_hand():
+    logits = torch.tensor([[0.0, 5.0, 2.0]])
+    labels = torch.tensor([[1.0, 1.0, 0.0]])
+    ends = torch.tensor([[1, 0, 1]])  # the middle position is not a step end: ignored
+    expected = (math.log(2.0) + math.log1p(math.exp(2.0))) / 2  # -log sigmoid(0), -log(1 - sigmoid(2))
+    assert step_bce_loss(logits, labels, ends).item() == pytest.approx(expected, abs=1e-6)
+    assert step_bce_loss(logits, labels, torch.zeros(1, 3)).item() == 0.0
+
+
+def test_process_advantages_by_hand():
+    """One group of two outputs. Step rewards R = {1, 0 | 1, 1}: mean 0.75, unbiased std 0.5, so
+    r~ = {0.5, -1.5 | 0.5, 0.5}; each token sums the r~ of the step ends at or after it."""
+    rewards = torch.tensor([[7.0, 1.0, 7.0, 0.0],    # ends at t=1 (r 1) and t=3 (r 0); 7s are not step ends
+                            [7.0, 7.0, 1.0, 1.0]])   # ends at t=2 (r 1) and t=3 (r 1)
+    ends = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 1]])
+    adv = process_advantages(rewards, ends, torch.ones(2, 4), group_size=2, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[-1.0, -1.0, -1.5, -1.5], [1.0, 1.0, 1.0, 0.5]]))
+
+
+def test_process_advantages_groups_masks_and_a_lone_step():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [3.0, 0.0], [5.0, 0.0]])
+    ends = torch.tensor([[1, 0], [1, 0], [1, 0], [0, 1]])
+    mask = torch.tensor([[1, 0], [1, 0], [1, 0], [1, 1]])
+    adv = process_advantages(rewards, ends, mask, group_size=2, eps=0.0)
+    # group 1: R = {1, 0}: mean 0.5, std sqrt(0.5); group 2: R = {3, 0} (row 3's end is at t=1, reward 0)
+    s = math.sqrt(0.5)
+    torch.testing.assert_close(adv, torch.tensor([[0.5 / s, 0.0], [-0.5 / s, 0.0],
+                                                  [1.5 / 4.5 ** 0.5, 0.0], [-1.5 / 4.5 ** 0.5] * 2]))
+    lone = process_advantages(torch.tensor([[2.0, 0.0]]), torch.tensor([[1, 0]]), torch.ones(1, 2), 1)
+    assert lone.tolist() == [[0.0, 0.0]]  # a single step: std 0, the reward minus its own mean
+    with pytest.raises(ValueError, match="does not divide"):
+        process_advantages(rewards, ends, mask, group_size=3)
