@@ -64,3 +64,52 @@ def test_process_advantages_groups_masks_and_a_lone_step():
     assert lone.tolist() == [[0.0, 0.0]]  # a single step: std 0, the reward minus its own mean
     with pytest.raises(ValueError, match="does not divide"):
         process_advantages(rewards, ends, mask, group_size=3)
+
+
+# --------------------------------------------------------------------------- the multi-step task
+from rlhf_core.rewards.multistep import (  # noqa: E402
+    Problem,
+    check_steps,
+    generate,
+    parse_expression,
+    slipped,
+    step_labels,
+)
+
+P = Problem(12, (("+", 7), ("-", 5), ("+", 30)))
+
+
+def test_the_solution_and_its_labels():
+    assert P.solution() == ["12 + 7 = 19", "19 - 5 = 14", "14 + 30 = 44"] and P.answer == 44
+    right = "12 + 7 = 19\n19 - 5 = 14\n14 + 30 = 44\n"
+    assert step_labels(right, P) == [True, True, True] and check_steps(right, P)
+    # a slip at step 2 and the next step carried on from it (its own arithmetic right): wrong from the slip on
+    assert step_labels("12 + 7 = 19\n19 - 5 = 15\n15 + 30 = 45", P) == [True, False, False]
+    assert step_labels("12 + 7 = 19", P) == [True, False, False]  # missing steps are wrong
+    assert step_labels("12 + 7 = 19\n19 - 5 = 14\n14 + 30 = 44\n44 + 0 = 44", P) == [True] * 3 + [False]
+    assert step_labels("12 + 7 = 19\n\n19 - 5 = 14", P) == [True, False, False]  # an empty line is a wrong step
+    assert step_labels("The answer is 44.", P) == [False, False, False]  # unreadable
+    assert step_labels("", P) == [False, False, False]
+    assert not check_steps("12 + 7 = 19\n19 - 5 = 14\n14 + 30 = 44\n44 + 0 = 44", P)
+
+
+def test_generate_holds_out_and_slips_one_step():
+    import random
+
+    train, held = generate(60, 20, (2, 4), 30, seed=3, share=0.2, held_out_phrasings=1, render=lambda m: m[0]["content"])
+    assert len(train) == 60 and len(held) == 20
+    assert not {r["expression"] for r in train} & {r["expression"] for r in held}
+    for row in train + held:
+        problem = parse_expression(row["expression"])
+        assert check_steps(row["chosen"], problem) and row["answer"] == str(problem.answer)
+        labels = step_labels(row["rejected"], problem)
+        assert not all(labels) and labels == sorted(labels, reverse=True)  # right, then wrong from the slip on
+        assert all(int(line.rsplit("=", 1)[1]) >= 0 for line in row["response"].split("\n"))
+    assert generate(60, 20, (2, 4), 30, 3, 0.2, 1, lambda m: m[0]["content"]) == (train, held)
+    assert slipped(P, random.Random(0)) != "\n".join(P.solution())
+
+
+@pytest.mark.parametrize("bad", ["12 +", "12 * 3", "a + 3", "12 + 3 4", ""])
+def test_a_bad_expression_is_named(bad):
+    with pytest.raises(ValueError, match="not an expression"):
+        parse_expression(bad)
