@@ -96,7 +96,8 @@ def test_the_solution_and_its_labels():
 def test_generate_holds_out_and_slips_one_step():
     import random
 
-    train, held = generate(60, 20, (2, 4), 30, seed=3, share=0.2, held_out_phrasings=1, render=lambda m: m[0]["content"])
+    first = lambda m: m[0]["content"]  # noqa: E731
+    train, held = generate(60, 20, (2, 4), 30, seed=3, share=0.2, held_out_phrasings=1, render=first)
     assert len(train) == 60 and len(held) == 20
     assert not {r["expression"] for r in train} & {r["expression"] for r in held}
     for row in train + held:
@@ -105,7 +106,7 @@ def test_generate_holds_out_and_slips_one_step():
         labels = step_labels(row["rejected"], problem)
         assert not all(labels) and labels == sorted(labels, reverse=True)  # right, then wrong from the slip on
         assert all(int(line.rsplit("=", 1)[1]) >= 0 for line in row["response"].split("\n"))
-    assert generate(60, 20, (2, 4), 30, 3, 0.2, 1, lambda m: m[0]["content"]) == (train, held)
+    assert generate(60, 20, (2, 4), 30, 3, 0.2, 1, first) == (train, held)
     assert slipped(P, random.Random(0)) != "\n".join(P.solution())
 
 
