@@ -72,6 +72,7 @@ from rlhf_core.rewards.multistep import (  # noqa: E402
     check_steps,
     generate,
     parse_expression,
+    problem_from_prompt,
     slipped,
     step_labels,
 )
@@ -111,6 +112,34 @@ def test_generate_holds_out_and_slips_one_step():
 
 
 @pytest.mark.parametrize("bad", ["12 +", "12 * 3", "a + 3", "12 + 3 4", ""])
-def test_a_bad_expression_is_named(bad):
+def test_a_bad_expression_or_prompt_is_named(bad):
     with pytest.raises(ValueError, match="not an expression"):
         parse_expression(bad)
+    assert problem_from_prompt("Human: Solve 3 + 4 - 1 step by step.").expression == "3 + 4 - 1"
+    with pytest.raises(ValueError, match="no expression of the multi-step task in the prompt 'Human: hi'"):
+        problem_from_prompt("Human: hi")
+
+
+def test_prepare_builds_the_multistep_task_for_the_tiny_model(tmp_path):
+    """`data.source: multistep` on the tiny model: held-out questions apart, each line a step ending in one newline
+    token of the tokenizer trained on the rows, and every demonstration right at every step."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from rlhf_core.rewards.multistep import STEP_DELIMITER
+    from rlhf_core.stages.prepare import prepare
+    from tests.conftest import make_params
+
+    prepare(make_params("data.source=multistep", "data.multistep.n_train=300", "data.multistep.n_held_out=60",
+                        "data.multistep.max_ops=3", "data.max_prompt_len=40", "data.max_response_len=40"), tmp_path)
+    prepared = tmp_path / "data/prepared"
+    sft, eval_sft = pd.read_parquet(prepared / "sft.parquet"), pd.read_parquet(prepared / "eval_sft.parquet")
+    train_exprs = {problem_from_prompt(p).expression for p in sft.prompt}
+    held_exprs = {problem_from_prompt(p).expression for p in eval_sft.prompt}
+    assert len(sft) > 0 and len(eval_sft) > 0 and not train_exprs & held_exprs
+    assert all(check_steps(r.response, problem_from_prompt(r.prompt)) for r in sft.itertuples())
+    tok = AutoTokenizer.from_pretrained(tmp_path / "models/base")
+    newline = tok.encode(STEP_DELIMITER, add_special_tokens=False)
+    assert len(newline) == 1
+    ids = tok.encode(sft.response.iloc[0], add_special_tokens=False)
+    assert ids.count(newline[0]) == sft.response.iloc[0].count(STEP_DELIMITER)

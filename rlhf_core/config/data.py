@@ -43,6 +43,26 @@ class ArithmeticDataConfig(Section):
     base_max_new_tokens: int = Field(24, ge=1, description="Tokens the base model may write per sampled answer.")
 
 
+class MultistepDataConfig(Section):
+    """`data.source: multistep`: chains of sums and differences solved one operation per line, the task of process
+    supervision (`rlhf_core/rewards/multistep.py`; docs/data-card-multistep.md)."""
+
+    n_train: int = Field(4000, ge=10, description="Training rows (questions whose operand tuple and phrasing are "
+                                                  "not held out), split over SFT / RM / RL by `data_split`.")
+    n_held_out: int = Field(400, ge=3, description="Held-out rows, split over the phases' eval files the same way.")
+    min_ops: int = Field(2, ge=1, le=8, description="Fewest operations (steps) a question asks for.")
+    max_ops: int = Field(4, ge=1, le=8, description="Most operations (steps) a question asks for.")
+    max_operand: int = Field(30, ge=1, le=10_000, description="Start value and operands from [0, max_operand].")
+    held_out_share: float = Field(0.15, ge=0.0, lt=1.0, description="Share of operand tuples held out.")
+    held_out_phrasings: int = Field(1, ge=0, description="Phrasings held out (the last ones listed).")
+
+    @model_validator(mode="after")
+    def _ops_range(self) -> MultistepDataConfig:
+        if self.min_ops > self.max_ops:
+            raise ValueError(f"min_ops {self.min_ops} is above max_ops {self.max_ops}")
+        return self
+
+
 class ColumnMap(Section):
     prompt: str = Field("prompt", description="Source column holding the prompt.")
     response: str = Field("response", description="Source column holding the SFT response.")
@@ -77,12 +97,14 @@ class PhaseFiles(Section):
 
 
 class DataConfig(Section):
-    source: Literal["demo", "arithmetic", "mixed", "per_phase"] = Field(
+    source: Literal["demo", "arithmetic", "multistep", "mixed", "per_phase"] = Field(
         "demo", description="`demo`: built-in generator for the tiny model; `arithmetic`: real-text arithmetic "
-                            "for a pretrained chat model (`data.arithmetic`, its held-out split); `mixed`: "
+                            "for a pretrained chat model (`data.arithmetic`, its held-out split); `multistep`: "
+                            "chains solved one step per line (`data.multistep`, its held-out split); `mixed`: "
                             "`sources` split by `data_split`; `per_phase`: explicit `files` for each phase.")
     demo: DemoDataConfig = Field(default_factory=DemoDataConfig)
     arithmetic: ArithmeticDataConfig = Field(default_factory=ArithmeticDataConfig)
+    multistep: MultistepDataConfig = Field(default_factory=MultistepDataConfig)
     sources: list[SourceConfig] = Field(default_factory=list, description="Sources for `source: mixed`.")
     files: PhaseFiles = Field(default_factory=PhaseFiles, description="Sources for `source: per_phase`.")
     columns: ColumnMap = Field(default_factory=ColumnMap)

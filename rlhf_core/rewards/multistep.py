@@ -34,6 +34,7 @@ PHRASINGS = [
     "Evaluate {expr}, writing each intermediate result.",
     "Find the value of {expr}, one step per line.",
 ]
+_EXPRESSION = re.compile(r"\d+(?: [+-] \d+)+")
 _STEP = re.compile(r"^\s*(-?\d+)\s*([+-])\s*(\d+)\s*=\s*(-?\d+)\s*\.?\s*$")
 
 
@@ -116,7 +117,7 @@ def draw(rng: random.Random, n_ops: tuple[int, int], max_operand: int) -> Proble
 def generate(n_train: int, n_held_out: int, n_ops: tuple[int, int], max_operand: int, seed: int, share: float,
              held_out_phrasings: int, render) -> tuple[list[dict], list[dict]]:
     """``(train, held_out)`` rows with the canonical fields (prompt, response, chosen, rejected, answer: the final
-    result) and ``expression`` (what :func:`parse_expression` reads back for the step labels); ``render(messages)
+    result) and ``expression`` (:func:`problem_from_prompt` reads it back from the prompt); ``render(messages)
     -> prompt text`` applies the chat template. Deterministic in ``seed``."""
     if not 1 <= n_ops[0] <= n_ops[1]:
         raise ValueError(f"n_ops {n_ops}: expected 1 <= min <= max")
@@ -147,3 +148,12 @@ def parse_expression(expression: str) -> Problem:
             not all(t.isdigit() for t in tokens[0::2]):
         raise ValueError(f"not an expression of the multi-step task: {expression!r}")
     return Problem(int(tokens[0]), tuple((op, int(x)) for op, x in zip(tokens[1::2], tokens[2::2], strict=True)))
+
+
+def problem_from_prompt(prompt: str) -> Problem:
+    """The problem a prompt of this task asks (its expression is quoted verbatim in every phrasing), so the step
+    labels need no field beyond the canonical ones; a prompt without one is a ValueError naming it."""
+    found = _EXPRESSION.findall(prompt)
+    if not found:
+        raise ValueError(f"no expression of the multi-step task in the prompt {prompt[-120:]!r}")
+    return parse_expression(found[-1])

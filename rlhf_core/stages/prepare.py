@@ -50,7 +50,7 @@ from rlhf_core.ops import paths
 from rlhf_core.ops.atomic import write_json_atomic
 from rlhf_core.ops.integrity import seal_model_dir
 from rlhf_core.ops.meta import build_meta, file_sha256, write_meta
-from rlhf_core.rewards import arithmetic, demo_task
+from rlhf_core.rewards import arithmetic, demo_task, multistep
 
 # One pass over a raw source: (origin, record, format, source name); structural drops counted in the Counter given.
 Stream = Callable[[Counter], Iterator[tuple[str, dict, str, str]]]
@@ -84,8 +84,9 @@ def _texts(rows: Iterator[tuple[str, dict, str, str]]):
 
 
 def load_raw(params: Params, tok=None) -> dict[str, Stream]:
-    """The raw rows, as streams keyed by ``mixed`` (and ``held_out`` for the arithmetic task) or by phase. The
-    arithmetic task renders its prompts with ``tok``'s chat template."""
+    """The raw rows, as streams keyed by ``mixed`` (and ``held_out`` for the arithmetic and multi-step tasks) or
+    by phase. The tasks render their prompts with ``tok``'s chat template (multi-step without a model: the demo's
+    ``Human: ... Assistant:``)."""
     data = params.data
     drop = data.on_malformed == "drop"
     if data.source == "arithmetic":
@@ -97,6 +98,16 @@ def load_raw(params: Params, tok=None) -> dict[str, Stream]:
         train, held = arithmetic.generate(a.n_train, a.n_held_out, a.max_operand, list(a.ops), params.project.seed,
                                           a.held_out_pair_share, a.held_out_phrasings, render)
         return {"mixed": _rows_stream(train, "arithmetic"), "held_out": _rows_stream(held, "arithmetic")}
+    if data.source == "multistep":
+        m = data.multistep
+        render = chat_renderer(tok) if tok is not None else lambda messages: demo_task.render_prompt(
+            messages[-1]["content"])  # the tiny model's tokenizer is trained on these rows, after them
+        if render is None:
+            raise DataError("data.source: multistep renders questions with the model's chat template, but the "
+                            f"tokenizer of {source_tokenizer_path(params.model)} has none")
+        train, held = multistep.generate(m.n_train, m.n_held_out, (m.min_ops, m.max_ops), m.max_operand,
+                                         params.project.seed, m.held_out_share, m.held_out_phrasings, render)
+        return {"mixed": _rows_stream(train, "multistep"), "held_out": _rows_stream(held, "multistep")}
     if data.source == "demo":
         d = data.demo
         rows = demo_task.generate(d.n_rows, d.max_operand, list(d.ops), d.wrong_share, params.project.seed,
@@ -158,7 +169,7 @@ def _base_negatives(params: Params, model, tok, prepared: Path) -> dict:
 
 def _source_names(params: Params) -> str | list[str]:
     data = params.data
-    if data.source in ("demo", "arithmetic"):
+    if data.source in ("demo", "arithmetic", "multistep"):
         return data.source if data.source == "demo" else [data.source]
     sources = data.sources if data.source == "mixed" else [getattr(data.files, ph) for ph in paths.PHASES]
     return sorted({_source_name(src) for src in sources})
