@@ -395,6 +395,23 @@ def test_logprobs_from_logits_low_precision_is_float32_with_grad():
     torch.testing.assert_close(logits.grad.double(), ref_logits.grad, atol=1e-2, rtol=1e-2)
 
 
+def test_dpo_is_the_pairwise_loss_on_implicit_rewards():
+    """Two tokens of vocab 2 with uniform logits score log(1/2) each: a 2-token response sums to -2 ln 2."""
+    from rlhf_core.algos import implicit_reward, response_logprob_sums
+
+    ids = torch.tensor([[0, 1, 1], [0, 0, 1]])
+    logits = torch.zeros(2, 3, 2, dtype=torch.float64)
+    logits[1, 0] = torch.tensor([0.0, math.log(3.0)])  # row 1, position 0 scores token 0 at 1/4
+    response = torch.tensor([[0, 1, 1], [0, 1, 1]])
+    logp = response_logprob_sums(logits, ids, response)
+    close(logp, [2 * math.log(0.5), math.log(0.25) + math.log(0.5)])
+    r = implicit_reward(logp, torch.tensor([math.log(0.25), math.log(0.25)], dtype=torch.float64), beta=0.5)
+    close(r, [0.5 * (2 * math.log(0.5) - math.log(0.25)), 0.5 * (math.log(0.125) - math.log(0.25))])  # 0, -ln2/2
+    loss, stats = pairwise_rm_loss(r[:1], r[1:])  # chosen 0, rejected -ln 2 / 2: -logsigmoid(ln 2 / 2)
+    close(loss, math.log1p(math.exp(-math.log(2.0) / 2)))
+    close(stats["accuracy"], 1.0)
+
+
 def test_pairwise_rm_loss():
     chosen = t([2.0, 0.0], requires_grad=True)
     rejected = t([1.0, 1.0])

@@ -294,3 +294,47 @@ def test_an_ensemble_of_other_vocabularies_tokenises_per_member():
     sa, sb = a.score_responses(prompts, responses), b.score_responses(prompts, responses)
     torch.testing.assert_close(same.score_responses(prompts, responses), (sa + (sa - 1.0) / 2.0) / 2)
     torch.testing.assert_close(other.score_responses(prompts, responses), (sa + (sb - 1.0) / 2.0) / 2)
+
+
+@pytest.mark.slow
+def test_rm_dpo_objective_learns_an_implicit_reward_that_rl_and_evaluation_read(ws):
+    """``rm.objective: dpo``: held-out pairwise accuracy of beta * [log pi - log pi_ref] rises (it starts at 0:
+    every implicit reward is exactly 0 before training, a tie counts as a miss); the folder holds the reference,
+    the adapter and implicit_reward.json, and ``load_scorer`` (RL's reward source, evaluate, serving) reproduces
+    the stage's held-out accuracy."""
+    import pyarrow.parquet as pq
+
+    from rlhf_core.models import load_scorer
+    from rlhf_core.models.implicit_reward import ImplicitRewardScorer
+    from rlhf_core.rewards.sources import RewardSources
+    from rlhf_core.trainers.rm import train_rm
+
+    p = tiny_params("rm.objective=dpo", "rm.beta=0.1", "compute.lora.enabled=true", "compute.lora.r=8",
+                    "rm.epochs=12", "rm.lr=0.005")
+    m = train_rm(p, ws)
+    assert m["accuracy_before"] == 0.0 and m["chosen_mean_before"] == 0.0 and m["objective"] == "dpo"
+    assert m["accuracy"] >= 0.8 and m["chosen_mean"] > m["rejected_mean"], m
+    out = ws / "models" / "rm"
+    assert {"model.safetensors", "adapter", "implicit_reward.json", "tokenizer.json"} <= {x.name for x in out.iterdir()}
+    assert json.loads((out / "implicit_reward.json").read_text()) == {"beta": 0.1}
+    scorer = load_scorer(out, device="cpu")
+    assert isinstance(scorer, ImplicitRewardScorer)
+    pairs = pq.read_table(ws / "data" / "prepared" / "eval_pairs.parquet").to_pylist()
+    chosen = scorer.score_responses([x["prompt"] for x in pairs], [x["chosen"] for x in pairs])
+    rejected = scorer.score_responses([x["prompt"] for x in pairs], [x["rejected"] for x in pairs])
+    assert float((chosen > rejected).float().mean()) == pytest.approx(m["accuracy"], abs=1e-6)
+    assert float(chosen.mean()) == pytest.approx(m["chosen_mean"], rel=1e-4, abs=1e-5)
+    rewards = RewardSources({"rm": 1.0}, out)([x["prompt"] for x in pairs[:4]], [x["chosen"] for x in pairs[:4]])
+    torch.testing.assert_close(rewards, chosen[:4], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="pass prompt and response columns"):
+        scorer.score(["a whole text"])
+
+
+def test_rm_dpo_objective_without_lora_names_the_keys(ws):
+    from rlhf_core.engine.errors import TrainingInputError
+    from rlhf_core.trainers.rm import train_rm
+
+    with pytest.raises(TrainingInputError, match="rm.objective: dpo: compute.lora.enabled must be true"):
+        train_rm(tiny_params("rm.objective=dpo", "rm.max_steps=1"), ws)
+    with pytest.raises(TrainingInputError, match="rm.loss must be sequence, not divergence"):
+        train_rm(tiny_params("rm.objective=dpo", "compute.lora.enabled=true", "rm.loss=divergence"), ws)

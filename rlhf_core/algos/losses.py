@@ -1,5 +1,6 @@
 """Losses and per-token quantities from logits: clipped PPO policy/value losses, pairwise reward-model losses
-(sequence and DeepSpeed-Chat's per-token divergence), the SFT token NLL, log-probabilities and entropy.
+(sequence and DeepSpeed-Chat's per-token divergence; DPO's implicit reward), the SFT token NLL, log-probabilities
+and entropy.
 
 Losses return ``(loss, stats)``: ``loss`` is a differentiable 0-dim tensor and ``stats`` a dict of detached
 0-dim tensors (no host synchronisation; call ``.item()`` when logging).
@@ -16,9 +17,11 @@ __all__ = [
     "IGNORE_INDEX",
     "divergence_rm_loss",
     "entropy_from_logits",
+    "implicit_reward",
     "logprobs_from_logits",
     "pairwise_rm_loss",
     "policy_loss",
+    "response_logprob_sums",
     "token_nll",
     "value_loss",
 ]
@@ -188,6 +191,20 @@ def pairwise_rm_loss(
             "margin_mean": diff.mean(),
         }
     return loss, stats
+
+
+def implicit_reward(logp: torch.Tensor, ref_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's implicit reward (Rafailov et al., 2023) of a response: ``r = beta * (log pi(y|x) - log pi_ref(y|x))``,
+    from the summed response log-probs under the policy and the reference. DPO's loss is
+    :func:`pairwise_rm_loss` on these rewards: ``-log sigmoid(r_chosen - r_rejected)``."""
+    return beta * (logp - ref_logp)
+
+
+def response_logprob_sums(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``log pi(y|x)`` per row: the log-probs of the response tokens (``response_mask``, ``[B, T]`` over
+    ``input_ids``) summed, the logits at ``t`` scoring token ``t + 1``. ``[B]``."""
+    logp = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])
+    return (logp * as_bool_mask(response_mask)[:, 1:]).sum(dim=-1)
 
 
 # --------------------------------------------------------------------------- SFT and reward-model losses

@@ -250,11 +250,15 @@ class PairData:
 
 
 def collate_pairs(data: PairData, idx: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
-    """Chosen rows then rejected rows in one right-padded ``[2B, T]`` batch (one forward pass)."""
+    """Chosen rows then rejected rows in one right-padded ``[2B, T]`` batch (one forward pass), with the
+    ``response_mask`` of their response tokens (EOS included)."""
     T = int(torch.maximum(data.chosen.tokens.lengths[idx], data.rejected.tokens.lengths[idx]).max())
     c, cm = data.chosen.tokens.pad(idx, pad_value=pad_id, length=T)
     r, rm = data.rejected.tokens.pad(idx, pad_value=pad_id, length=T)
-    return {"input_ids": torch.cat([c, r]), "attention_mask": torch.cat([cm, rm]).long()}
+    cr, _ = data.chosen.tokens.like(data.chosen.response_mask).pad(idx, pad_value=False, length=T)
+    rr, _ = data.rejected.tokens.like(data.rejected.response_mask).pad(idx, pad_value=False, length=T)
+    return {"input_ids": torch.cat([c, r]), "attention_mask": torch.cat([cm, rm]).long(),
+            "response_mask": torch.cat([cr, rr])}
 
 
 def keep_last_tokens(rows: Ragged, limit: int, keep_first: int | None = None) -> Ragged:

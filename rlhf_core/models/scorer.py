@@ -19,6 +19,7 @@ import torch
 
 from rlhf_core.data.collate import Ragged, TokenizedSequences, concat_rows, encode_prompts, encode_sequences
 from rlhf_core.data.tokenizer import same_tokenizer
+from rlhf_core.models.implicit_reward import ImplicitRewardScorer, is_implicit
 from rlhf_core.models.value_head import ValueHeadModel
 
 # Scoring with shared prompts runs two forwards (prompts, then responses on their cache); it is used when it
@@ -148,8 +149,8 @@ class EnsembleScorer:
                         trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> EnsembleScorer:
         """Load the ensemble that ``path / ensemble.json`` lists (member paths relative to ``path``)."""
         paths, center, scale = read_ensemble_spec(path)
-        scorers = [RewardScorer.from_pretrained(Path(path) / p, device=device, batch_size=batch_size,
-                                                trust_remote_code=trust_remote_code, dtype=dtype) for p in paths]
+        scorers = [load_one_scorer(Path(path) / p, device=device, batch_size=batch_size,
+                                   trust_remote_code=trust_remote_code, dtype=dtype) for p in paths]
         return cls(scorers, center, scale)
 
     def combine(self, per_member: list[torch.Tensor]) -> torch.Tensor:
@@ -187,8 +188,16 @@ def read_ensemble_spec(path: str | Path) -> tuple[list[str], list[float], list[f
     return paths, center, scale
 
 
-def load_scorer(path: str | Path, **kwargs) -> RewardScorer | EnsembleScorer:
-    """``models/rm``'s scorer: the ensemble when the directory holds ``ensemble.json``, else the single RM."""
+def load_one_scorer(path: str | Path, **kwargs) -> RewardScorer | ImplicitRewardScorer:
+    """One reward model: DPO's implicit reward where the folder holds ``implicit_reward.json``, else a score head."""
+    if is_implicit(path):
+        return ImplicitRewardScorer.from_pretrained(path, **kwargs)
+    return RewardScorer.from_pretrained(path, **kwargs)
+
+
+def load_scorer(path: str | Path, **kwargs) -> RewardScorer | ImplicitRewardScorer | EnsembleScorer:
+    """``models/rm``'s scorer: the ensemble when the directory holds ``ensemble.json``, else the single RM (a score
+    head, or DPO's implicit reward: ``rlhf_core.models.implicit_reward``)."""
     if (Path(path) / ENSEMBLE_FILE).is_file():
         return EnsembleScorer.from_pretrained(path, **kwargs)
-    return RewardScorer.from_pretrained(path, **kwargs)
+    return load_one_scorer(path, **kwargs)

@@ -1,5 +1,6 @@
 """MLflow pyfunc wrapper for the reward model and the critic (``*ForSequenceClassification`` checkpoints, or the
-previous value-head layout: ``RewardScorer.from_pretrained`` reads both).
+previous value-head layout: ``RewardScorer.from_pretrained`` reads both), or DPO's implicit reward (``rm.objective:
+dpo``, prompt and response columns only).
 
 ``predict`` takes a DataFrame with a ``text`` column (or ``prompt`` and
 ``response`` columns, tokenised exactly as in training), or a list of strings,
@@ -14,9 +15,9 @@ import mlflow.pyfunc
 
 class ScorerModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from rlhf_core.models import RewardScorer
+        from rlhf_core.models.scorer import load_one_scorer
 
-        self.scorer = RewardScorer.from_pretrained(context.artifacts["model"], device="cpu")
+        self.scorer = load_one_scorer(context.artifacts["model"], device="cpu")
 
     def predict(self, context, model_input, params=None) -> list[float]:
         import pandas as pd

@@ -28,9 +28,11 @@ from rlhf_core.algos import divergence_rm_loss, pairwise_rm_loss
 from rlhf_core.config import Params
 from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
 from rlhf_core.engine import distributed as D
+from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.engine.loop import Hooks, LogFn, fit
 from rlhf_core.engine.sampler import ResumableSampler
 from rlhf_core.evaluation import shard_for_eval
+from rlhf_core.models.implicit_reward import implicit_scores, save_implicit_rm
 from rlhf_core.models.loading import (
     base_model_source,
     build_value_model,
@@ -64,11 +66,31 @@ def encode_pairs(tokenizer, rows: dict, max_length: int, source: str) -> PairDat
     return PairData(chosen, rejected)
 
 
-def make_rm_loss(loss_kind: str, margin: float):
+def head_scores(model, batch: dict, device) -> torch.Tensor:
+    """``rm.objective: score_head``: the value at each row's last token ``[2B]``."""
+    return model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores
+
+
+def dpo_scores(beta: float):
+    """``rm.objective: dpo``: each row's implicit reward ``[2B]`` (``models/implicit_reward.py``); ``model`` is the
+    engine (training) or the peft model (evaluation)."""
+    def scores(model, batch: dict, device) -> torch.Tensor:
+        peft = getattr(model, "module", model)
+        return implicit_scores(model, peft.disable_adapter, batch["input_ids"].to(device),
+                               batch["attention_mask"].to(device), batch["response_mask"].to(device), beta)
+
+    return scores
+
+
+def make_rm_loss(loss_kind: str, margin: float, score_fn=head_scores):
     def rm_loss(engine, batch: dict) -> tuple[torch.Tensor, dict]:
         ids, mask = batch["input_ids"].to(engine.device), batch["attention_mask"].to(engine.device)
-        out = engine(ids, mask)
-        chosen, rejected = out.scores.chunk(2)
+        if loss_kind == "divergence":
+            out = engine(ids, mask)
+            scores = out.scores
+        else:
+            scores = score_fn(engine, batch, engine.device)
+        chosen, rejected = scores.chunk(2)
         loss, stats = pairwise_rm_loss(chosen.float(), rejected.float(), margin)
         if loss_kind == "divergence":
             vc, vr = out.values.chunk(2)
@@ -81,16 +103,18 @@ def make_rm_loss(loss_kind: str, margin: float):
 
 
 @torch.no_grad()
-def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, margin: float = 0.0) -> dict[str, float]:
+def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, margin: float = 0.0,
+               score_fn=head_scores) -> dict[str, float]:
     """Pairwise accuracy, mean chosen / rejected scores, mean margin and loss over ``data`` (all ranks), and
-    ``score_std``: the std of the scores over every chosen and rejected response (an ensemble's scale)."""
+    ``score_std``: the std of the scores over every chosen and rejected response (an ensemble's scale);
+    ``score_fn(model, batch, device) -> [2B]`` reads the scores (:func:`head_scores`, :func:`dpo_scores`)."""
     was_training = model.training
     model.eval()
     idx, weight = shard_for_eval(len(data))
     sums = torch.zeros(7, dtype=torch.float64)  # correct, chosen, rejected, diff, loss, n, squared scores
     for i in range(0, len(idx), batch_size):
         batch = collate_pairs(data, idx[i:i + batch_size], pad_id)
-        scores = model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores.double().cpu()
+        scores = score_fn(model, batch, device).double().cpu()
         c, r = scores.chunk(2)
         w = weight[i:i + batch_size].double()
         per_pair_loss = -torch.nn.functional.logsigmoid(c - r - margin)
@@ -103,6 +127,30 @@ def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, marg
     return {"accuracy": float(sums[0]) / n, "chosen_mean": float(sums[1]) / n, "rejected_mean": float(sums[2]) / n,
             "margin_mean": float(sums[3]) / n, "eval_loss": float(sums[4]) / n,
             "score_std": max(float(sums[6]) / (2 * n) - mean ** 2, 0.0) ** 0.5}
+
+
+def check_dpo_settings(params: Params, init_kind: str) -> None:
+    """``rm.objective: dpo`` takes its reference from the adapter switched off, on a plain causal LM."""
+    problems = [msg for bad, msg in (
+        (not params.compute.lora.enabled, "compute.lora.enabled must be true (the reference is the adapter off)"),
+        (params.rm.loss != "sequence", f"rm.loss must be sequence, not {params.rm.loss}"),
+        (init_kind == "previous", "feedback rounds (feedback.rm_init: previous) are not supported; use sft"),
+    ) if bad]
+    if problems:
+        raise TrainingInputError("rm.objective: dpo: " + "; ".join(problems))
+
+
+def build_policy(params: Params, root: Path, init_kind: str):
+    """The implicit reward's reference: ``models/sft`` (adapters merged) or the base model."""
+    from rlhf_core.models.loading import build_causal_lm, load_causal_lm
+
+    if init_kind == "sft":
+        path = root / paths.SFT_MODEL
+        if not (path / "config.json").exists():
+            raise TrainingInputError(f"{path}: no SFT model; run `rlhf stage sft` first or set rm.init_from: base")
+        return load_causal_lm(path, trust_remote_code=params.model.trust_remote_code,
+                              attn_implementation=params.compute.attn_implementation)
+    return build_causal_lm(params, root)
 
 
 @dataclass(frozen=True)
@@ -219,9 +267,13 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
         if role.member and (root / init_ref / MEMBERS_DIR / str(role.member)).is_dir():  # the same member's
             init_ref = init_ref / MEMBERS_DIR / str(role.member)
     init_source = str(init_ref) if init_kind != "base" else base_model_source(params, root)
-    plan, engine = build_engine(params, cfg, "rm.max_length", len(data),
-                                lambda: build_value_model(params, root, init_kind, init_ref), init_source, tokenizer,
-                                max_length)
+    implicit = cfg.objective == "dpo"
+    if implicit:
+        check_dpo_settings(params, init_kind)
+    build = (lambda: build_policy(params, root, init_kind)) if implicit else \
+        (lambda: build_value_model(params, root, init_kind, init_ref))
+    plan, engine = build_engine(params, cfg, "rm.max_length", len(data), build, init_source, tokenizer, max_length)
+    score_fn = dpo_scores(cfg.beta) if implicit else head_scores
 
     inputs = input_hashes(root, files, {"init_model": init_ref})
     ckpt = checkpoints_for(root, params, role.stage, cfg, inputs)
@@ -232,10 +284,10 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     def initial() -> dict:
         """The starting model on the eval pairs and, in a round, on the round's new pairs (before training on
         them: how well the previous RM judges what the current policy writes)."""
-        out = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin)
+        out = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin, score_fn)
         if fresh_data is not None:
-            out["fresh_accuracy"] = eval_pairs(engine.module, fresh_data, bs, pad_id, engine.device, cfg.margin)[
-                "accuracy"]
+            out["fresh_accuracy"] = eval_pairs(engine.module, fresh_data, bs, pad_id, engine.device, cfg.margin,
+                                               score_fn)["accuracy"]
         return out
 
     state, resumed_from = resume_or_start(ckpt, engine, cfg.resume, initial, params.project.seed)
@@ -244,28 +296,31 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
              "truncated": data.truncated, "threads": threads}, state.step)
 
     state = fit(engine, plan, ResumableSampler(plan, params.project.seed, D.rank()),
-                lambda idx: collate_pairs(data, idx, pad_id), make_rm_loss(cfg.loss, cfg.margin), state, ckpt, log,
+                lambda idx: collate_pairs(data, idx, pad_id), make_rm_loss(cfg.loss, cfg.margin, score_fn), state, ckpt,
+                log,
                 save_every=cfg.save_every, log_every=cfg.log_every, hooks=hooks)
 
-    after = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin)
+    after = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin, score_fn)
     before = state.extra["before"]
     metrics = {
         **{f"{k}_before": v for k, v in before.items()}, **after,
         "train_accuracy_last": state.curve[-1].get("accuracy") if state.curve else None,
         "n_train": len(data), "n_eval": len(eval_data),
         "truncated_train": data.truncated, "truncated_eval": eval_data.truncated,
-        "loss_kind": cfg.loss, "init_from": str(init_ref) if n_round else cfg.init_from,
+        "loss_kind": cfg.loss, "objective": cfg.objective, "init_from": str(init_ref) if n_round else cfg.init_from,
         **({"round": n_round, "n_train_new": len(fresh["id"]), "n_train_replay": len(data) - len(fresh["id"]),
             "n_train_replay_pool": replay_pool,
             "fresh_pairs_accuracy_before": before["fresh_accuracy"]} if fresh is not None else {}),
         **run_metrics(state, resumed_from, engine, params, max_length),
     }
     meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,
-                      score="value at the last non-pad token", role="judge" if role == JUDGE else "proxy",
+                      score=f"implicit reward {cfg.beta} * [log pi(y|x) - log pi_ref(y|x)]" if implicit
+                      else "value at the last non-pad token", role="judge" if role == JUDGE else "proxy",
                       trained_on=str(train_file), **({"ensemble_member": role.member} if role.member else {}))
     if before_save is not None:
         before_save(state.step, str(ckpt.latest_path()) if ckpt is not None else None)
     return finish_stage(root, role.stage, engine, root / role.model_dir,
-                        lambda m, d: save_value_model(m, d, compute.lora.merge_on_save, pad_id), tokenizer, meta,
+                        (lambda m, d: save_implicit_rm(m, d, cfg.beta)) if implicit else
+                        (lambda m, d: save_value_model(m, d, compute.lora.merge_on_save, pad_id)), tokenizer, meta,
                         metrics, (f"{role.stage}_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log,
                         params)

@@ -1,0 +1,122 @@
+"""DPO's implicit reward as a reward model (``rm.objective: dpo``): a LoRA adapter on a policy, and the policy.
+
+    r(x, y) = beta * [log pi(y|x) - log pi_ref(y|x)]        log pi(y|x): summed over response + EOS
+
+``pi`` is the model with the adapter on, ``pi_ref`` the same weights with it off: the RM stage's init
+(``models/sft`` by default), which is also the RL actor's start and KL reference. The reward reads the
+preference through the LM head, where SFT put the task, rather than through a fresh score head.
+
+On disk (``models/rm``): the reference's weights as a causal LM, the adapter in ``adapter/`` (never merged: the
+reference is the adapter switched off), the tokenizer, and ``implicit_reward.json`` (``{"beta": ...}``), which
+marks the folder. :func:`rlhf_core.models.scorer.load_scorer` reads it as :class:`ImplicitRewardScorer`, the same
+``score_responses`` as the score-head RM, so RL, evaluation and serving take either.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rlhf_core.algos import implicit_reward, response_logprob_sums
+from rlhf_core.data.collate import TokenizedSequences, encode_sequences
+
+IMPLICIT_FILE = "implicit_reward.json"
+
+
+def is_implicit(path: str | Path) -> bool:
+    return (Path(path) / IMPLICIT_FILE).is_file()
+
+
+def read_beta(path: str | Path) -> float:
+    spec = Path(path) / IMPLICIT_FILE
+    try:
+        return float(json.loads(spec.read_text())["beta"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{spec}: not an implicit-reward file (a JSON object with a number `beta`): {err!r}") from err
+
+
+def implicit_scores(forward, adapter_off, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    response_mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """``r`` of each row ``[B]``: the policy pass ``forward(...)`` (with gradients where enabled) and the reference
+    pass, the same under ``adapter_off()`` without gradients, over the same right-padded rows. ``forward``: a peft
+    model or the engine around one; ``adapter_off``: that peft model's ``disable_adapter``."""
+    logits = forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logp = response_logprob_sums(logits.float(), input_ids, response_mask)
+    with torch.no_grad(), adapter_off():
+        ref_logits = forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        ref_logp = response_logprob_sums(ref_logits.float(), input_ids, response_mask)
+    return implicit_reward(logp, ref_logp, beta)
+
+
+def save_implicit_rm(model, directory: str | Path, beta: float) -> None:
+    """The reference's weights, the adapter beside them (``adapter/``) and ``implicit_reward.json``."""
+    from rlhf_core.models.loading import save_causal_lm
+
+    save_causal_lm(model, directory, merge_lora=False)
+    (Path(directory) / IMPLICIT_FILE).write_text(json.dumps({"beta": beta}) + "\n")
+
+
+class ImplicitRewardScorer:
+    """``score_responses(prompts, responses) -> Tensor[B]``: the implicit reward of ``prompt + response + EOS``,
+    tokenised as the RM stage trained it."""
+
+    def __init__(self, model, tokenizer, beta: float, batch_size: int = 32, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.beta = beta
+        self.batch_size = batch_size
+        self.max_length = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device | None = None, batch_size: int = 32,
+                        trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> ImplicitRewardScorer:
+        """Load ``path`` (the reference, its ``adapter/``, the tokenizer, ``implicit_reward.json``); a folder
+        without the adapter is an error naming it."""
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        from rlhf_core.data.tokenizer import load_tokenizer
+        from rlhf_core.models.loading import ADAPTER_DIR
+        from rlhf_core.ops.integrity import verify_model_dir
+
+        path = Path(path)
+        beta = read_beta(path)
+        if not (path / ADAPTER_DIR).is_dir():
+            raise ValueError(f"{path}: an implicit reward model needs its adapter in {path / ADAPTER_DIR} (the "
+                             "reference is the same weights with it disabled)")
+        verify_model_dir(path)
+        model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True,
+                                                     trust_remote_code=trust_remote_code,
+                                                     **({"dtype": dtype} if dtype is not None else {}))
+        model = PeftModel.from_pretrained(model, str(path / ADAPTER_DIR))
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(model, load_tokenizer(path, trust_remote_code=trust_remote_code), beta, batch_size, device)
+
+    def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> TokenizedSequences:
+        return encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>",
+                                keep_eos=True)
+
+    @torch.no_grad()
+    def score_encoded(self, seqs: TokenizedSequences) -> torch.Tensor:
+        from rlhf_core.data.collate import Ragged
+
+        response = Ragged(seqs.response_mask, seqs.tokens.offsets)
+        out = []
+        for start in range(0, len(seqs), self.batch_size):
+            idx = torch.arange(start, min(start + self.batch_size, len(seqs)))
+            ids, valid = seqs.tokens.pad(idx, pad_value=self.tokenizer.pad_token_id, side="right")
+            resp, _ = response.pad(idx, pad_value=False, side="right")
+            out.append(implicit_scores(self.model, self.model.disable_adapter, ids.to(self.device),
+                                       valid.long().to(self.device), resp.to(self.device), self.beta).float().cpu())
+        return torch.cat(out) if out else torch.empty(0)
+
+    def score_responses(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        return self.score_encoded(self.encode(prompts, responses))
+
+    def score(self, texts: Sequence[str]) -> torch.Tensor:
+        raise ValueError("an implicit reward scores a response given its prompt (log pi(y|x)): pass prompt and "
+                         "response columns, not whole texts")
