@@ -317,6 +317,9 @@ def test_rm_dpo_objective_learns_an_implicit_reward_that_rl_and_evaluation_read(
     out = ws / "models" / "rm"
     assert {"model.safetensors", "adapter", "implicit_reward.json", "tokenizer.json"} <= {x.name for x in out.iterdir()}
     assert json.loads((out / "implicit_reward.json").read_text()) == {"beta": 0.1}
+    card = (out / "README.md").read_text()
+    assert "pipeline_tag: text-generation" in card and "DPO's implicit reward" in card
+    assert "| `rm.objective` | `dpo` |" in card and "defined only up to a per-prompt constant" in card
     scorer = load_scorer(out, device="cpu")
     assert isinstance(scorer, ImplicitRewardScorer)
     pairs = pq.read_table(ws / "data" / "prepared" / "eval_pairs.parquet").to_pylist()

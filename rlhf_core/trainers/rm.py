@@ -316,6 +316,7 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,
                       score=f"implicit reward {cfg.beta} * [log pi(y|x) - log pi_ref(y|x)]" if implicit
                       else "value at the last non-pad token", role="judge" if role == JUDGE else "proxy",
+                      objective=cfg.objective,
                       trained_on=str(train_file), **({"ensemble_member": role.member} if role.member else {}))
     if before_save is not None:
         before_save(state.step, str(ckpt.latest_path()) if ckpt is not None else None)
