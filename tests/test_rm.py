@@ -332,6 +332,15 @@ def test_rm_dpo_objective_learns_an_implicit_reward_that_rl_and_evaluation_read(
     with pytest.raises(ValueError, match="pass prompt and response columns"):
         scorer.score(["a whole text"])
 
+    from rlhf_core.models import ValueHeadModel
+    from rlhf_core.trainers.rlhf.models import load_critic
+
+    critic = load_critic(tiny_params("compute.lora.enabled=false", "rlhf.algorithm=ppo"), out)  # PPO's critic
+    assert isinstance(critic, ValueHeadModel)
+    sft = ValueHeadModel.from_pretrained(ws / "models" / "sft")
+    embeddings = [m.backbone.get_input_embeddings().weight for m in (critic, sft)]
+    torch.testing.assert_close(*embeddings)  # the reference's backbone (the adapter off), a fresh head
+
 
 def test_rm_dpo_objective_without_lora_names_the_keys(ws):
     from rlhf_core.engine.errors import TrainingInputError

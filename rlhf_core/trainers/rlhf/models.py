@@ -86,13 +86,25 @@ def load_critic(params: Params, rm_dir: Path):
     When ``rm_dir`` holds an ensemble (``rm.ensemble``), the reward is the members' mean *standardised* score
     while the head is member 0's raw one: the head is divided by member 0's scale ``a_0`` (``ensemble.json``)
     so the critic starts on the scale of the returns it learns, as OpenRLHF's critic divides its values by the
-    RM's reward std (``normalize_reward``).
+    RM's reward std (``normalize_reward``). An implicit reward (``rm.objective: dpo``) gives the backbone of its
+    reference (the adapter off, as saved) and a fresh head, as the RM stage starts a score head from SFT.
     """
+    from rlhf_core.models.implicit_reward import is_implicit
     from rlhf_core.models.scorer import ENSEMBLE_FILE, read_ensemble_spec
     from rlhf_core.models.value_head import ValueHeadModel
 
     with model_init_context(params.compute, params.rlhf):
-        critic = ValueHeadModel.from_pretrained(rm_dir, require_head=True, **_model_kwargs(params))
+        if is_implicit(rm_dir):  # no value head, and its adapter is a policy's: the reference's backbone, a fresh head
+            from transformers import AutoModel
+
+            from rlhf_core.ops.integrity import verify_model_dir
+
+            verify_model_dir(Path(rm_dir))
+            torch.manual_seed(params.project.seed + 1)
+            critic = ValueHeadModel(AutoModel.from_pretrained(str(rm_dir), use_safetensors=True,
+                                                              **_model_kwargs(params)))
+        else:
+            critic = ValueHeadModel.from_pretrained(rm_dir, require_head=True, **_model_kwargs(params))
     if (Path(rm_dir) / ENSEMBLE_FILE).is_file():
         paths, _, scale = read_ensemble_spec(rm_dir)
         if "." in paths:  # the head is member "."'s (the RM stage writes it first)
