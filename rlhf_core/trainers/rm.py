@@ -1,8 +1,9 @@
-"""Reward-model training on DeepSpeed: a ``ValueHeadModel`` trained on preference pairs.
+"""Reward-model training on DeepSpeed: a reward model trained on preference pairs.
 
-Chosen and rejected rows (``prompt + response + EOS``) go through the model in one ``[2B, T]`` batch.
-``rm.loss: sequence`` (default): ``-log sigmoid(r_c - r_r - margin)`` on the scores at the last
-non-pad token; ``rm.loss: divergence``: DeepSpeed-Chat's per-token variant after the first differing token.
+What it learns is the objective's (``rm.objective``, declared in ``rm_objectives.py``): a ``ValueHeadModel``'s
+score at the last token, or DPO's implicit reward. Chosen and rejected rows (``prompt + response + EOS``) go
+through the model in one ``[2B, T]`` batch. ``rm.loss: sequence`` (default): ``-log sigmoid(r_c - r_r - margin)``
+on the scores; ``rm.loss: divergence``: DeepSpeed-Chat's per-token variant after the first differing token.
 Evaluation on ``eval_pairs`` before and after: pairwise accuracy, mean chosen / rejected score, margin.
 ``rlhf stage rm`` reads ``data/prepared/{pairs,eval_pairs}.parquet``, ``models/base`` and (``rm.init_from: sft``)
 ``models/sft``; writes ``models/rm/``, ``metrics/rm.json``, ``plots/rm_accuracy.csv``; resumable checkpoints in
@@ -28,16 +29,12 @@ from rlhf_core.algos import divergence_rm_loss, pairwise_rm_loss
 from rlhf_core.config import Params
 from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
 from rlhf_core.engine import distributed as D
-from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.engine.loop import Hooks, LogFn, fit
 from rlhf_core.engine.sampler import ResumableSampler
 from rlhf_core.evaluation import shard_for_eval
-from rlhf_core.models.implicit_reward import implicit_scores, save_implicit_rm
 from rlhf_core.models.loading import (
     base_model_source,
-    build_value_model,
     load_training_tokenizer,
-    save_value_model,
 )
 from rlhf_core.models.scorer import MEMBERS_DIR
 from rlhf_core.ops import paths
@@ -52,6 +49,7 @@ from rlhf_core.trainers.common import (
     run_metrics,
     stage_meta,
 )
+from rlhf_core.trainers.rm_objectives import OBJECTIVES, ScoreFn, head_scores
 from rlhf_core.trainers.rm_parallel import fit_all
 
 STAGE = "rm"
@@ -66,23 +64,7 @@ def encode_pairs(tokenizer, rows: dict, max_length: int, source: str) -> PairDat
     return PairData(chosen, rejected)
 
 
-def head_scores(model, batch: dict, device) -> torch.Tensor:
-    """``rm.objective: score_head``: the value at each row's last token ``[2B]``."""
-    return model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores
-
-
-def dpo_scores(beta: float):
-    """``rm.objective: dpo``: each row's implicit reward ``[2B]`` (``models/implicit_reward.py``); ``model`` is the
-    engine (training) or the peft model (evaluation)."""
-    def scores(model, batch: dict, device) -> torch.Tensor:
-        peft = getattr(model, "module", model)
-        return implicit_scores(model, peft.disable_adapter, batch["input_ids"].to(device),
-                               batch["attention_mask"].to(device), batch["response_mask"].to(device), beta)
-
-    return scores
-
-
-def make_rm_loss(loss_kind: str, margin: float, score_fn=head_scores):
+def make_rm_loss(loss_kind: str, margin: float, score_fn: ScoreFn = head_scores):
     def rm_loss(engine, batch: dict) -> tuple[torch.Tensor, dict]:
         ids, mask = batch["input_ids"].to(engine.device), batch["attention_mask"].to(engine.device)
         if loss_kind == "divergence":
@@ -104,10 +86,10 @@ def make_rm_loss(loss_kind: str, margin: float, score_fn=head_scores):
 
 @torch.no_grad()
 def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, margin: float = 0.0,
-               score_fn=head_scores) -> dict[str, float]:
+               score_fn: ScoreFn = head_scores) -> dict[str, float]:
     """Pairwise accuracy, mean chosen / rejected scores, mean margin and loss over ``data`` (all ranks), and
     ``score_std``: the std of the scores over every chosen and rejected response (an ensemble's scale);
-    ``score_fn(model, batch, device) -> [2B]`` reads the scores (:func:`head_scores`, :func:`dpo_scores`)."""
+    ``score_fn(model, batch, device) -> [2B]`` reads the scores (the objective's, ``rm_objectives``)."""
     was_training = model.training
     model.eval()
     idx, weight = shard_for_eval(len(data))
@@ -127,30 +109,6 @@ def eval_pairs(model, data: PairData, batch_size: int, pad_id: int, device, marg
     return {"accuracy": float(sums[0]) / n, "chosen_mean": float(sums[1]) / n, "rejected_mean": float(sums[2]) / n,
             "margin_mean": float(sums[3]) / n, "eval_loss": float(sums[4]) / n,
             "score_std": max(float(sums[6]) / (2 * n) - mean ** 2, 0.0) ** 0.5}
-
-
-def check_dpo_settings(params: Params, init_kind: str) -> None:
-    """``rm.objective: dpo`` takes its reference from the adapter switched off, on a plain causal LM."""
-    problems = [msg for bad, msg in (
-        (not params.compute.lora.enabled, "compute.lora.enabled must be true (the reference is the adapter off)"),
-        (params.rm.loss != "sequence", f"rm.loss must be sequence, not {params.rm.loss}"),
-        (init_kind == "previous", "feedback rounds (feedback.rm_init: previous) are not supported; use sft"),
-    ) if bad]
-    if problems:
-        raise TrainingInputError("rm.objective: dpo: " + "; ".join(problems))
-
-
-def build_policy(params: Params, root: Path, init_kind: str):
-    """The implicit reward's reference: ``models/sft`` (adapters merged) or the base model."""
-    from rlhf_core.models.loading import build_causal_lm, load_causal_lm
-
-    if init_kind == "sft":
-        path = root / paths.SFT_MODEL
-        if not (path / "config.json").exists():
-            raise TrainingInputError(f"{path}: no SFT model; run `rlhf stage sft` first or set rm.init_from: base")
-        return load_causal_lm(path, trust_remote_code=params.model.trust_remote_code,
-                              attn_implementation=params.compute.attn_implementation)
-    return build_causal_lm(params, root)
 
 
 @dataclass(frozen=True)
@@ -267,13 +225,12 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
         if role.member and (root / init_ref / MEMBERS_DIR / str(role.member)).is_dir():  # the same member's
             init_ref = init_ref / MEMBERS_DIR / str(role.member)
     init_source = str(init_ref) if init_kind != "base" else base_model_source(params, root)
-    implicit = cfg.objective == "dpo"
-    if implicit:
-        check_dpo_settings(params, init_kind)
-    build = (lambda: build_policy(params, root, init_kind)) if implicit else \
-        (lambda: build_value_model(params, root, init_kind, init_ref))
-    plan, engine = build_engine(params, cfg, "rm.max_length", len(data), build, init_source, tokenizer, max_length)
-    score_fn = dpo_scores(cfg.beta) if implicit else head_scores
+    objective = OBJECTIVES[cfg.objective]
+    objective.check(params, init_kind)
+    plan, engine = build_engine(params, cfg, "rm.max_length", len(data),
+                                lambda: objective.build(params, root, init_kind, init_ref), init_source, tokenizer,
+                                max_length)
+    score_fn = objective.scores(cfg)
 
     inputs = input_hashes(root, files, {"init_model": init_ref})
     ckpt = checkpoints_for(root, params, role.stage, cfg, inputs)
@@ -314,14 +271,12 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
         **run_metrics(state, resumed_from, engine, params, max_length),
     }
     meta = stage_meta(STAGE, params, inputs, init_from=str(init_ref), lora=compute.lora.enabled,
-                      score=f"implicit reward {cfg.beta} * [log pi(y|x) - log pi_ref(y|x)]" if implicit
-                      else "value at the last non-pad token", role="judge" if role == JUDGE else "proxy",
+                      score=objective.describe(cfg), role="judge" if role == JUDGE else "proxy",
                       objective=cfg.objective,
                       trained_on=str(train_file), **({"ensemble_member": role.member} if role.member else {}))
     if before_save is not None:
         before_save(state.step, str(ckpt.latest_path()) if ckpt is not None else None)
     return finish_stage(root, role.stage, engine, root / role.model_dir,
-                        (lambda m, d: save_implicit_rm(m, d, cfg.beta)) if implicit else
-                        (lambda m, d: save_value_model(m, d, compute.lora.merge_on_save, pad_id)), tokenizer, meta,
+                        objective.save(params, pad_id), tokenizer, meta,
                         metrics, (f"{role.stage}_accuracy.csv", ("step", "accuracy", "loss")), state, t_start, log,
                         params)

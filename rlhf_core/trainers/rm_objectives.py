@@ -1,0 +1,87 @@
+"""What a reward model learns from the preference pairs: one declaration per objective (``rm.objective``).
+
+    score_head   r(x, y) = w . h_T(x, y)                            a fresh head at the last token
+    dpo          r(x, y) = beta * [log pi(y|x) - log pi_ref(y|x)]   DPO's implicit reward (Rafailov et al. 2023)
+
+Both train on ``-log sigmoid(r_chosen - r_rejected - margin)`` (``algos.pairwise_rm_loss``; DPO's loss is that
+on its implicit rewards, margin 0). An objective says how its model is built from the init (``rm.init_from``),
+how a batch of ``[2B]`` chosen-then-rejected rows is scored, how the model is saved, what the saved model's
+score is (its ``rlhf_meta.json``), and which settings it refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhf_core.config import Params, RMConfig
+from rlhf_core.engine.errors import TrainingInputError
+from rlhf_core.models.implicit_reward import implicit_scores, save_implicit_rm
+from rlhf_core.models.loading import build_causal_lm, build_value_model, load_causal_lm, save_value_model
+from rlhf_core.ops import paths
+
+ScoreFn = Callable[[torch.nn.Module, dict, torch.device], torch.Tensor]  # (model or engine, batch, device) -> [2B]
+
+
+def head_scores(model, batch: dict, device) -> torch.Tensor:
+    """The value at each row's last token ``[2B]``."""
+    return model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores
+
+
+def dpo_scores(beta: float) -> ScoreFn:
+    """Each row's implicit reward ``[2B]``; ``model`` is the engine (training) or the peft model (evaluation)."""
+    def scores(model, batch: dict, device) -> torch.Tensor:
+        peft = getattr(model, "module", model)
+        return implicit_scores(model, peft.disable_adapter, batch["input_ids"].to(device),
+                               batch["attention_mask"].to(device), batch["response_mask"].to(device), beta)
+
+    return scores
+
+
+def build_policy(params: Params, root: Path, init_kind: str, init_ref: Path):
+    """The implicit reward's reference: ``models/sft`` (adapters merged) or the base model."""
+    if init_kind == "sft":
+        path = root / paths.SFT_MODEL
+        if not (path / "config.json").exists():
+            raise TrainingInputError(f"{path}: no SFT model; run `rlhf stage sft` first or set rm.init_from: base")
+        return load_causal_lm(path, trust_remote_code=params.model.trust_remote_code,
+                              attn_implementation=params.compute.attn_implementation)
+    return build_causal_lm(params, root)
+
+
+def check_dpo(params: Params, init_kind: str) -> None:
+    """The reference is the adapter switched off, on a plain causal LM."""
+    problems = [msg for bad, msg in (
+        (not params.compute.lora.enabled, "compute.lora.enabled must be true (the reference is the adapter off)"),
+        (params.rm.loss != "sequence", f"rm.loss must be sequence, not {params.rm.loss}"),
+        (init_kind == "previous", "feedback rounds (feedback.rm_init: previous) are not supported; use sft"),
+    ) if bad]
+    if problems:
+        raise TrainingInputError("rm.objective: dpo: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Objective:
+    build: Callable[[Params, Path, str, Path], torch.nn.Module]  # (params, root, init kind, init dir)
+    scores: Callable[[RMConfig], ScoreFn]
+    save: Callable[[Params, int], Callable]  # (params, pad id) -> save(model, directory)
+    describe: Callable[[RMConfig], str]
+    check: Callable[[Params, str], None] = lambda params, init_kind: None
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "score_head": Objective(
+        build=lambda params, root, kind, ref: build_value_model(params, root, kind, ref),
+        scores=lambda cfg: head_scores,
+        save=lambda params, pad_id: lambda m, d: save_value_model(m, d, params.compute.lora.merge_on_save, pad_id),
+        describe=lambda cfg: "value at the last non-pad token"),
+    "dpo": Objective(
+        build=build_policy,
+        scores=lambda cfg: dpo_scores(cfg.beta),
+        save=lambda params, pad_id: lambda m, d: save_implicit_rm(m, d, params.rm.beta),
+        describe=lambda cfg: f"implicit reward {cfg.beta} * [log pi(y|x) - log pi_ref(y|x)]",
+        check=check_dpo),
+}
