@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.algos import implicit_reward, response_logprob_sums
-from rlhf_core.data.collate import TokenizedSequences, encode_sequences
+from rlhf_core.data.collate import Ragged, TokenizedSequences, encode_sequences
 
 IMPLICIT_FILE = "implicit_reward.json"
 
@@ -102,8 +102,6 @@ class ImplicitRewardScorer:
 
     @torch.no_grad()
     def score_encoded(self, seqs: TokenizedSequences) -> torch.Tensor:
-        from rlhf_core.data.collate import Ragged
-
         response = Ragged(seqs.response_mask, seqs.tokens.offsets)
         out = []
         for start in range(0, len(seqs), self.batch_size):
