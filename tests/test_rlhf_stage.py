@@ -482,3 +482,25 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run
     out_dir = "actor" if stage == "rlhf" else "sft"
     a, b = _weights(ws / "models" / out_dir), _weights(full / "models" / out_dir)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_static_rollout_engine_collects_what_generate_collects(ws):
+    """``rlhf.rollout_engine: static`` in the stage: from the same seed, the maker collects the rows ``generate``
+    collects (tokens, rewards), with the recorded log-probs of a full forward over them."""
+    from dataclasses import replace
+
+    from rlhf_core.passes.generation import response_logprobs
+
+    tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.micro_batch_size=4", "rlhf.max_new_tokens=6",
+                  "rlhf.rollout_engine=static")
+    assert tr.maker.cfg.gen.engine == "static"
+    torch.manual_seed(3)
+    ours = tr.collect(0)
+    tr.maker.cfg.gen = replace(tr.maker.cfg.gen, engine="generate")
+    torch.manual_seed(3)
+    theirs = tr.collect(0)
+    assert torch.equal(ours.sequences, theirs.sequences) and torch.equal(ours.scores, theirs.scores)
+    with torch.no_grad():
+        recomputed = response_logprobs(tr.actor.module, ours.sequences, ours.attention_mask, ours.response_len)
+    m = ours.action_mask.bool()
+    assert m.sum() > 10 and torch.allclose(ours.old_logp[m], recomputed[m], atol=1e-5)

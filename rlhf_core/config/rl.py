@@ -78,6 +78,13 @@ class RLHFConfig(OptimConfig):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same scaling).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
     max_new_tokens: int = Field(8, ge=1, description="Response token limit during rollouts.")
+    rollout_engine: Literal["auto", "generate", "static"] = Field(
+        "auto", description="What samples the rollouts: `generate` (transformers' `generate`, a growing KV cache), "
+                            "`static` (`rlhf_core/passes/static_decode.py`: a preallocated KV cache and a "
+                            "fixed-shape decode step, captured once in a CUDA graph on a GPU; the same tokens "
+                            "for the same seed), `auto` (`static` on a GPU, `generate` on the CPU). `static` "
+                            "needs a model whose every layer is full SDPA attention and falls back to "
+                            "`generate` otherwise, and under ZeRO-3 over several processes.")
     shared_prefix: bool = Field(
         True, description="Forward each prompt once for its group of samples (GRPO's G, PPO's "
                           "`samples_per_prompt`) in the log-prob passes, the critic's value pass and the actor's "

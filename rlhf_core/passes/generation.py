@@ -26,6 +26,7 @@ from rlhf_core.passes.prefix_cache import (
     supports_cache_repeat,
     supports_prefix_cache,
 )
+from rlhf_core.passes.static_decode import static_rollout, supports_static_decode
 
 
 def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -94,6 +95,7 @@ class GenerationConfig:
     synced_gpus: bool = False
     min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: a fixed workload)
     record_logprobs: bool = False  # Rollout.logp: the sampled tokens' log-probs, taken while sampling
+    engine: str = "generate"  # "generate", "static" (passes/static_decode.py) or "auto" (static on a GPU)
 
 
 class SampledLogprobs:
@@ -170,8 +172,13 @@ def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenize
     ``group_size`` > 1: the rows come in runs of that many copies of one prompt (GRPO's G samples); each prompt
     but its last token is prefilled once and its KV cache repeated to the run (:func:`prefilled_cache`), so
     ``generate`` starts from the last prompt token: the same distribution, G x fewer prefill FLOPs.
+
+    ``gen.engine`` picks the sampler (:func:`uses_static_decode`): transformers' ``generate``, or the static KV
+    cache decoder of ``passes/static_decode.py`` (the same tokens for the same seed, each prompt prefilled once).
     """
     device = next(model.parameters()).device
+    if uses_static_decode(model, gen, device):
+        return _static_rollout(model, prompt_ids, prompt_mask, tokenizer, gen, group_size)
     kwargs = ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
               if gen.do_sample else {"do_sample": False})
     recorder = SampledLogprobs(gen.temperature) if gen.record_logprobs and not gen.min_new_tokens else None
@@ -189,14 +196,39 @@ def rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenize
                              **({"min_new_tokens": gen.min_new_tokens} if gen.min_new_tokens else {}), **kwargs)
         responses = out[:, prompt_ids.shape[1]:]
         logp = recorder.finish(responses) if recorder is not None and responses.shape[1] else None
-    responses = responses.cpu().clone()
+    return _as_rollout(prompt_ids, prompt_mask, responses.cpu().clone(), tokenizer,
+                       logp.clone() if logp is not None else None)
+
+
+def uses_static_decode(model, gen: GenerationConfig, device: torch.device) -> bool:
+    """Whether ``gen.engine`` picks the static decoder for ``model``: asked for (``static``, or ``auto`` on a
+    GPU), and the model can run it (``supports_static_decode``) with its parameters in place (not ZeRO-3 over
+    several processes, whose generation gathers them layer by layer, ``synced_gpus``)."""
+    wanted = gen.engine == "static" or (gen.engine == "auto" and device.type == "cuda")
+    return (wanted and not gen.synced_gpus and not D.forwards_in_lockstep(model)
+            and supports_static_decode(model))
+
+
+def _static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokenizer, gen: GenerationConfig,
+                    group_size: int) -> Rollout:
+    shares = group_size > 1 and prompt_ids.shape[0] % group_size == 0
+    with clean_generation_config(model, tokenizer):
+        responses, logp = static_rollout(
+            model, prompt_ids, prompt_mask, gen.max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
+            gen.temperature, gen.top_p, gen.do_sample, gen.min_new_tokens, group_size if shares else 1)
+    keep_logp = gen.record_logprobs and not gen.min_new_tokens
+    return _as_rollout(prompt_ids, prompt_mask, responses.cpu(), tokenizer, logp.cpu() if keep_logp else None)
+
+
+def _as_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, tokenizer,
+                logp: torch.Tensor | None) -> Rollout:
+    """The response masks (from the first EOS) and texts of sampled ``responses``."""
     if responses.shape[1] == 0:
         responses = torch.full((prompt_ids.shape[0], 1), tokenizer.eos_token_id, dtype=prompt_ids.dtype)
     mask = response_mask(responses, tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(torch.where(mask.bool(), responses, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
-    return Rollout(prompt_ids.cpu(), prompt_mask.cpu(), responses, mask, texts, tokenizer.eos_token_id,
-                   logp.clone() if logp is not None else None)
+    return Rollout(prompt_ids.cpu(), prompt_mask.cpu(), responses, mask, texts, tokenizer.eos_token_id, logp)
 
 
 def prefilled_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):

@@ -1,0 +1,190 @@
+"""Sampling over a static KV cache, one fixed-shape decode step per call: on CUDA the step is captured once in a
+CUDA graph and replayed, so a token costs one graph launch instead of hundreds of kernel launches from Python.
+
+The rollout interface is narrow: left-padded prompt ids + sampling settings -> response token ids + their
+log-probs (:func:`static_rollout`); any other engine (vLLM, transformers' ``generate``) fits behind it.
+
+With ``P`` prompt columns, ``R`` new tokens and ``L = P + R`` cache columns, the prompt is prefilled once per
+group (GRPO's ``G`` identical rows share it, the cache is repeated to the rows) and the first token sampled
+from its last position. Step ``t = 1 .. R-1`` then runs, every tensor fixed in shape and address::
+
+    mask[:, P + t - 1] = 1                              the input token's own column
+    z_t      = model(y_{t-1}, pos_{t-1}, mask, cache)   float32 logits of the next token
+    z_t[eos] = -inf                                     while t < min_new_tokens
+    s_t      = z_t / T
+    y_t      ~ softmax(top_p(s_t))                       argmax when greedy
+    logp_t   = log_softmax(s_t)[y_t]                     the trainer's distribution: no top-p
+    y_t      = pad where the row had finished;   finished |= (y_t == eos)
+
+That is the processing order of transformers' ``generate`` (minimum length, temperature, top-p, then
+``multinomial`` over the softmax), so the same seed draws the same tokens up to float rounding between the
+static and the growing cache (tested in float32). Whether all rows finished is read every ``check_every`` steps,
+not every step (a host sync). Finished rows keep their slot (the shapes are fixed) and are cut from the output.
+
+Only for models whose every layer attends to all earlier positions through SDPA (``group_packing.supports_packing``),
+with parameters that stay in place (no ZeRO-3 gathering): :func:`supports_static_decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.passes.group_packing import supports_packing
+from rlhf_core.passes.prefix_cache import model_config, position_ids
+
+
+def supports_static_decode(model) -> bool:
+    """True for a model the static decoder can run: every layer full SDPA attention (``supports_packing``)."""
+    return supports_packing(model)
+
+
+def next_token(logits: torch.Tensor, step: torch.Tensor, eos_token_id: int, temperature: float, top_p: float,
+               do_sample: bool, min_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y_t, logp_t)`` from the float32 logits ``[B, V]`` of step ``step`` (a 0-dim long tensor, so a
+    captured graph reads it at replay): the processing of ``generate`` in its order (module docstring)."""
+    z = logits.float()
+    if min_new_tokens:
+        is_eos = torch.arange(z.shape[-1], device=z.device) == eos_token_id
+        z = z.masked_fill(is_eos & (step < min_new_tokens), -float("inf"))
+    s = z / temperature
+    kept = top_p_filter(s, top_p) if do_sample and top_p < 1.0 else s
+    y = torch.multinomial(torch.softmax(kept, dim=-1), 1) if do_sample else kept.argmax(dim=-1, keepdim=True)
+    return y.squeeze(1), torch.log_softmax(s, dim=-1).gather(1, y).squeeze(1)
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """transformers' ``TopPLogitsWarper``: sorted ascending, the tokens whose cumulative probability stays at
+    or below ``1 - top_p`` are set to ``-inf``; the most likely token is always kept."""
+    sorted_scores, order = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[:, -1] = False
+    remove = remove_sorted.scatter(1, order, remove_sorted)
+    return scores.masked_fill(remove, -float("inf"))
+
+
+class StaticDecoder:
+    """The buffers of one rollout of ``B`` rows over ``L`` cache columns, and its step (captured on CUDA)."""
+
+    def __init__(self, model, batch: int, prompt_len: int, max_new_tokens: int, device: torch.device,
+                 dtype: torch.dtype, settings: dict, pad_token_id: int, use_graph: bool):
+        from transformers import StaticCache
+
+        config = model_config(model)
+        self.model, self.settings, self.pad_token_id = model, settings, pad_token_id
+        self.P, self.R = prompt_len, max_new_tokens
+        L = prompt_len + max_new_tokens
+        self.cache = StaticCache(config=config, max_cache_len=L)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.cache.early_initialization(batch, kv_heads, head_dim, dtype, device)
+        self.mask = torch.zeros(batch, L, dtype=torch.bool, device=device)
+        self.token = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # t: the token the next call samples
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
+        self.logp = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
+        self.columns = torch.arange(L, device=device)
+        self.graph = None
+        if use_graph:
+            self._capture()
+
+    def _step(self) -> None:
+        """One decode step on the buffers (the module docstring's loop body)."""
+        s = self.settings
+        self.mask |= self.columns == (self.P + self.step - 1)
+        out = self.model(input_ids=self.token[:, None], position_ids=self.pos[:, None],
+                         attention_mask=self.mask[:, None, None, :], past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        y, lp = next_token(out.logits[:, -1], self.step, **s)
+        self._record(y, lp)
+        self.pos += 1
+
+    def _record(self, y: torch.Tensor, lp: torch.Tensor) -> None:
+        pad, eos = self.pad_token_id, self.settings["eos_token_id"]
+        y = torch.where(self.finished, torch.full_like(y, pad), y)
+        here = self.columns[:self.R] == self.step
+        self.tokens.copy_(torch.where(here, y[:, None], self.tokens))
+        self.logp.copy_(torch.where(here, lp[:, None], self.logp))
+        self.finished |= y == eos
+        self.token.copy_(y)
+        self.step += 1
+
+    def _capture(self) -> None:
+        """Warm the step up on a side stream (lazy inits, cuBLAS workspaces), then capture it; the state the
+        warm-up changed is reset by :meth:`start`."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> None:
+        """Prefill the prompts (each run of ``group_size`` identical rows once), sample the first token."""
+        P = self.P
+        firsts, first_mask = prompt_ids[::group_size], prompt_mask[::group_size]
+        out = self.model(input_ids=firsts, attention_mask=first_mask, position_ids=position_ids(first_mask),
+                         use_cache=True, logits_to_keep=1)
+        for static, grown in zip(self.cache.layers, out.past_key_values.layers, strict=True):
+            static.keys[:, :, :P].copy_(grown.keys.repeat_interleave(group_size, dim=0))
+            static.values[:, :, :P].copy_(grown.values.repeat_interleave(group_size, dim=0))
+            static.cumulative_length.fill_(P)
+        self.mask.zero_()
+        self.mask[:, :P] = prompt_mask.bool()
+        self.pos.copy_(prompt_mask.long().sum(dim=1))
+        self.step.zero_()
+        self.finished.zero_()
+        self.tokens.zero_()
+        self.logp.zero_()
+        y, lp = next_token(out.logits[:, -1].repeat_interleave(group_size, dim=0), self.step, **self.settings)
+        self._record(y, lp)
+
+    def decode(self, check_every: int) -> int:
+        """Steps ``1 .. R-1`` (stopping early once every row finished, read every ``check_every`` steps);
+        returns the number of response columns: up to the last row's EOS, or ``R``."""
+        for t in range(1, self.R):
+            if t % check_every == 0 and bool(self.finished.all()):
+                break
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+        if bool(self.finished.all()):
+            eos = self.settings["eos_token_id"]
+            first_eos = torch.where(self.tokens == eos, self.columns[:self.R], self.R).min(dim=1).values
+            return int(first_eos.max()) + 1
+        return int(self.step)
+
+
+def static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
+                   eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
+                   do_sample: bool = True, min_new_tokens: int = 0, group_size: int = 1,
+                   use_graph: bool | None = None, check_every: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(responses [B, R'], logp [B, R'])``: tokens sampled after the left-padded ``prompt_ids`` and their
+    log-probs under ``softmax(logits / T)`` (before top-p, as the trainer scores them; with ``min_new_tokens``,
+    the EOS ban included),
+    ``R' <= max_new_tokens`` (cut after the last row's EOS), pad after a row's EOS. ``group_size`` > 1: the rows
+    come in runs of identical prompts, each prefilled once. ``use_graph`` (default: on CUDA) captures the step.
+    Runs under ``torch.inference_mode()``; the model must pass ``supports_static_decode``."""
+    device = next(model.parameters()).device
+    B, P = prompt_ids.shape
+    if B % group_size:
+        raise ValueError(f"static_rollout: {B} rows do not come in runs of {group_size}")
+    if use_graph is None:
+        use_graph = device.type == "cuda"
+    dtype = next(model.parameters()).dtype
+    settings = {"eos_token_id": eos_token_id, "temperature": temperature, "top_p": top_p, "do_sample": do_sample,
+                "min_new_tokens": min_new_tokens}
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    if not torch.equal(prompt_ids[::group_size].repeat_interleave(group_size, dim=0), prompt_ids):
+        raise ValueError(f"static_rollout: rows do not come in runs of {group_size} identical prompts")
+    with torch.inference_mode():
+        decoder = StaticDecoder(model, B, P, max_new_tokens, device, dtype, settings, pad_token_id, use_graph)
+        decoder.start(prompt_ids, prompt_mask, group_size)
+        width = decoder.decode(check_every)
+        return decoder.tokens[:, :width].clone(), decoder.logp[:, :width].clone()

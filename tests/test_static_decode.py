@@ -1,0 +1,125 @@
+"""The static-cache decoder (``passes/static_decode.py``): the same tokens and log-probs as transformers'
+``generate`` for the same seed, the sampling steps by hand, early stops, and the models it refuses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_core.passes.generation import GenerationConfig, response_logprobs, rollout, uses_static_decode
+from rlhf_core.passes.static_decode import next_token, static_rollout, top_p_filter
+from tests.test_generation import EOS, PAD, _tiny_lm, _Tok
+
+PROMPTS = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]]).repeat_interleave(4, dim=0)
+
+
+def _eos_prone_lm():
+    """The tiny model with EOS likely enough that rows stop at different steps, some before the end."""
+    model = _tiny_lm()
+    with torch.no_grad():
+        model.lm_head.weight[EOS] = model.lm_head.weight[5] + 0.5
+    return model
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("sampling", [
+    {"do_sample": False},
+    {"temperature": 0.7},
+    {"temperature": 1.3, "top_p": 0.8},
+    {"temperature": 1.0, "min_new_tokens": 6},
+])
+def test_same_tokens_and_log_probs_as_generate(group, sampling):
+    """Left-padded prompts in runs of 4, fp32: for the same seed the static decoder draws the tokens ``generate``
+    draws, and records their log-probs under ``softmax(logits / T)``."""
+    model = _eos_prone_lm()
+    mask = (PROMPTS != PAD).long()
+    gen = GenerationConfig(10, record_logprobs=True, **sampling)
+    torch.manual_seed(11)
+    ref = rollout(model, PROMPTS, mask, _Tok(), gen, group_size=group)
+    torch.manual_seed(11)
+    ours = rollout(model, PROMPTS, mask, _Tok(), GenerationConfig(10, record_logprobs=True, engine="static",
+                                                                   **sampling), group_size=group)
+    assert torch.equal(ref.responses, ours.responses) and torch.equal(ref.action_mask, ours.action_mask)
+    assert ref.texts == ours.texts
+    if "min_new_tokens" in sampling:  # the EOS ban enters the logits: nothing recorded, as with generate
+        assert ours.logp is None and bool((ours.responses[:, :6] != EOS).all())
+        return
+    m = ours.action_mask.bool()
+    assert torch.allclose(ref.logp[m], ours.logp[m], atol=1e-5)
+    with torch.no_grad():
+        scored = response_logprobs(model, ours.sequences, ours.attention_mask, ours.responses.shape[1],
+                                   temperature=gen.temperature)
+    assert torch.allclose(ours.logp[m], scored[m], atol=1e-5)  # top-p shapes the draw, not the log-probs
+
+
+def test_rows_that_stop_early_are_padded_and_the_output_cut():
+    """Every row ends before ``max_new_tokens``: pad after each row's EOS, and the output as wide as the last
+    row's EOS (what ``generate`` returns), read although the stop check comes every few steps."""
+    model = _eos_prone_lm()
+    with torch.no_grad():
+        model.lm_head.weight[EOS] = model.lm_head.weight[5] + 3.0
+    mask = (PROMPTS != PAD).long()
+    torch.manual_seed(2)
+    tokens, logp = static_rollout(model, PROMPTS, mask, 40, EOS, PAD, check_every=4)
+    first_eos = (tokens == EOS).int().argmax(dim=1)
+    assert bool((tokens == EOS).any(dim=1).all()) and tokens.shape[1] == int(first_eos.max()) + 1 < 40
+    after = torch.arange(tokens.shape[1])[None, :] > first_eos[:, None]
+    assert bool((tokens[after] == PAD).all()) and after.any()
+    torch.manual_seed(2)
+    ref = rollout(model, PROMPTS, mask, _Tok(), GenerationConfig(40))
+    assert torch.equal(ref.responses, tokens)
+
+
+def test_next_token_by_hand():
+    """Logits [ln 1, ln 2, ln 5] (EOS = 2), T = 1: greedy takes the EOS with log-prob ln 5/8; while EOS is banned
+    (step 0 < min_new_tokens 1) it takes token 1, ln 2/3; T = 2 halves the logits: ln(sqrt 5 / (1 + sqrt 2 +
+    sqrt 5))."""
+    logits = torch.log(torch.tensor([[1.0, 2.0, 5.0]]))
+    args = {"eos_token_id": 2, "top_p": 1.0, "do_sample": False}
+    y, lp = next_token(logits, torch.tensor(0), temperature=1.0, min_new_tokens=0, **args)
+    assert y.item() == 2 and lp.item() == pytest.approx(math.log(5 / 8))
+    y, lp = next_token(logits, torch.tensor(0), temperature=1.0, min_new_tokens=1, **args)
+    assert y.item() == 1 and lp.item() == pytest.approx(math.log(2 / 3))
+    y, lp = next_token(logits, torch.tensor(1), temperature=1.0, min_new_tokens=1, **args)
+    assert y.item() == 2
+    y, lp = next_token(logits, torch.tensor(0), temperature=2.0, min_new_tokens=0, **args)
+    r2, r5 = math.sqrt(2), math.sqrt(5)
+    assert y.item() == 2 and lp.item() == pytest.approx(math.log(r5 / (1 + r2 + r5)))
+
+
+def test_top_p_by_hand_and_as_transformers():
+    """Probabilities [0.05, 0.5, 0.15, 0.3], top-p 0.8: sorted ascending the cumulative mass is 0.05, 0.2, 0.5,
+    1.0; the tokens at or below 1 - 0.8 = 0.2 go (0 and 2), 1 and 3 stay; as transformers' ``TopPLogitsWarper``."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    scores = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3], [0.97, 0.01, 0.01, 0.01]]))
+    out = top_p_filter(scores, 0.8)
+    assert torch.isinf(out[0]).tolist() == [True, False, True, False]
+    assert torch.isinf(out[1]).tolist() == [False, True, True, True]  # the most likely token always stays
+    torch.testing.assert_close(out, TopPLogitsWarper(0.8)(None, scores.clone()))
+
+
+def test_which_engine_runs():
+    """``auto`` is generate on the CPU; ``static`` runs where every layer is full SDPA attention and falls back to
+    ``generate`` for a sliding-window model and under ZeRO-3 generation (``synced_gpus``)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model, cpu = _tiny_lm(), torch.device("cpu")
+    assert not uses_static_decode(model, GenerationConfig(4, engine="auto"), cpu)
+    assert not uses_static_decode(model, GenerationConfig(4, engine="generate"), cpu)
+    assert uses_static_decode(model, GenerationConfig(4, engine="static"), cpu)
+    assert not uses_static_decode(model, GenerationConfig(4, engine="static", synced_gpus=True), cpu)
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                                sliding_window=4, attn_implementation="sdpa"))
+    assert not uses_static_decode(windowed, GenerationConfig(4, engine="static"), cpu)
+
+
+def test_refuses_rows_that_are_not_runs_of_one_prompt():
+    mask = (PROMPTS != PAD).long()
+    with pytest.raises(ValueError, match="runs of 3 identical prompts"):
+        static_rollout(_tiny_lm(), PROMPTS, mask, 4, EOS, PAD, group_size=3)
+    with pytest.raises(ValueError, match="12 rows do not come in runs of 5"):
+        static_rollout(_tiny_lm(), PROMPTS, mask, 4, EOS, PAD, group_size=5)
