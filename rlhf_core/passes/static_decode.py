@@ -17,8 +17,10 @@ from its last position. Step ``t = 1 .. R-1`` then runs, every tensor fixed in s
     y_t      = pad where the row had finished;   finished |= (y_t == eos)
 
 That is the processing order of transformers' ``generate`` (minimum length, temperature, top-p, then
-``multinomial`` over the softmax), so the same seed draws the same tokens up to float rounding between the
-static and the growing cache (tested in float32). Whether all rows finished is read every ``check_every`` steps,
+``multinomial`` over the softmax), and the draw is ``multinomial``'s own one-sample algorithm,
+``argmax(p / q)`` with ``q ~ Exp(1)``, minus its check of ``p`` on the host (a sync a CUDA graph cannot hold):
+the same seed draws the same tokens up to float rounding between the static and the growing cache (tested in
+float32). Whether all rows finished is read every ``check_every`` steps,
 not every step (a host sync). Finished rows keep their slot (the shapes are fixed) and are cut from the output.
 
 Only for models whose every layer attends to all earlier positions through SDPA (``group_packing.supports_packing``),
@@ -48,7 +50,11 @@ def next_token(logits: torch.Tensor, step: torch.Tensor, eos_token_id: int, temp
         z = z.masked_fill(is_eos & (step < min_new_tokens), -float("inf"))
     s = z / temperature
     kept = top_p_filter(s, top_p) if do_sample and top_p < 1.0 else s
-    y = torch.multinomial(torch.softmax(kept, dim=-1), 1) if do_sample else kept.argmax(dim=-1, keepdim=True)
+    if do_sample:  # torch.multinomial's one-sample path, without its host-side check of the probabilities
+        probs = torch.softmax(kept, dim=-1)
+        y = (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1, keepdim=True)
+    else:
+        y = kept.argmax(dim=-1, keepdim=True)
     return y.squeeze(1), torch.log_softmax(s, dim=-1).gather(1, y).squeeze(1)
 
 

@@ -1,0 +1,337 @@
+"""GRPO at realistic lengths on one device, ours beside TRL's ``GRPOTrainer``, and the rollout alone by engine.
+
+The workload of issue #31: a random-initialised Llama (default: hidden 1024, 24 layers, 16 heads, 4 KV heads,
+MLP 5504, vocabulary 32000, tied embeddings: 0.5B parameters), 64 prompts of 128 tokens x 8 samples, 256 new
+tokens per sample (EOS banned before: ``min_new_tokens``), temperature 1, beta 0.04, clip 0.2, one optimizer
+step of 32 x 16 micro-batches per iteration, bf16, no gradient checkpointing. The reward is a rule over the
+words of the completion (``bench_even_words``: the share of even-numbered words), so groups differ and
+every row trains. Each verb runs in its own process, so that peak memory is its own::
+
+    python -m benchmarks.gpu_grpo workspace --root W     # the model, a word-level tokenizer, prepared prompts
+    python -m benchmarks.gpu_grpo decode --root W        # the rollout by engine: generate, static, static+graph
+    python -m benchmarks.gpu_grpo ours --root W [--engine static|generate]
+    python -m benchmarks.gpu_grpo trl --root W
+    python -m benchmarks.gpu_grpo profile --root W       # the top kernels and ops of a few generate decode steps
+
+Every verb prints one JSON row. The script that runs them all on a GPU machine is
+docs/measurements/gpu-grpo-*.sh; the figures are in docs/results/benchmarks-gpu-rollout.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from rlhf_core.rewards.registry import register_reward
+
+SHAPE = {"hidden": 1024, "layers": 24, "heads": 16, "kv_heads": 4, "intermediate": 5504, "vocab": 32000}
+WORKLOAD = {"prompts": 64, "group": 8, "prompt_len": 128, "new_tokens": 256, "micro_batch": 32, "grad_accum": 16}
+
+
+@register_reward("bench_even_words")
+def even_words(prompts, completions, **_) -> list[float]:
+    """The share of the completion's words ``w<i>`` with an even ``i``: a reward that differs within a group."""
+    def share(text: str) -> float:
+        words = [w for w in text.split() if w[1:].isdigit()]
+        return sum(int(w[1:]) % 2 == 0 for w in words) / max(1, len(words))
+    return [share(c) for c in completions]
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dtype() -> torch.dtype:
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+# --------------------------------------------------------------------------- the workspace
+def build_workspace(root: Path, shape: dict, work: dict, rows: int, seed: int = 1234) -> dict:
+    """``root/src``: the random Llama and its word-level tokenizer (``w2 .. w<V-1>``, pad, EOS) and pairwise
+    rows whose prompts are ``prompt_len`` random words; then the pipeline's own prepare imports the model into
+    ``models/base`` and splits the rows, and ``models/sft`` is a copy of the base."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from rlhf_core.ops import paths
+    from rlhf_core.stages.prepare import prepare
+
+    src = root / "src"
+    (src / "model").mkdir(parents=True, exist_ok=True)
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, shape["vocab"])}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+    tok.save_pretrained(src / "model")
+    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                      num_key_value_heads=shape["kv_heads"], max_position_embeddings=1024, tie_word_embeddings=True,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(src / "model")
+    rng = random.Random(seed)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{rng.randrange(2, shape['vocab'])}" for _ in range(n))
+
+    with open(src / "pairs.jsonl", "w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"prompt": words(work["prompt_len"]), "chosen": words(4), "rejected": words(4)}) + "\n")
+    params = workspace_params(root, shape, work)
+    prepare(params, root)
+    shutil.copytree(root / paths.BASE_MODEL, root / paths.SFT_MODEL, dirs_exist_ok=True)
+    return {"verb": "workspace", "parameters": sum(p.numel() for p in model.parameters()), **shape}
+
+
+def workspace_params(root: Path, shape: dict, work: dict, engine: str = "auto"):
+    from rlhf_core.config import apply_overrides, validate
+
+    n_per_step = work["prompts"] * work["group"]
+    overrides = [
+        "data.source=mixed", f"data.sources=[{{path: {root / 'src' / 'pairs.jsonl'}, format: pairwise}}]",
+        "data.data_split=[1, 1, 8]", "data.eval_fraction=0.05", f"data.max_prompt_len={work['prompt_len']}",
+        "data.max_response_len=16", f"model.name_or_path={root / 'src' / 'model'}",
+        f"compute.precision={'bf16' if torch.cuda.is_available() else 'fp32'}", "compute.zero_stage=0",
+        "compute.gradient_checkpointing=false",
+        "rlhf.algorithm=grpo", f"rlhf.prompts_per_step={work['prompts']}", f"rlhf.grpo.group_size={work['group']}",
+        f"rlhf.max_new_tokens={work['new_tokens']}", "rlhf.temperature=1.0", "rlhf.top_p=1.0",
+        f"rlhf.micro_batch_size={work['micro_batch']}", f"rlhf.grad_accum={n_per_step // work['micro_batch']}",
+        "rlhf.ppo_epochs=1", "rlhf.grpo.beta=0.04", "rlhf.grpo.clip_eps=0.2", "rlhf.lr=1e-6", "rlhf.warmup_steps=0",
+        "rlhf.lr_scheduler=constant", "rlhf.num_steps=1000", "rlhf.reward_fns={bench_even_words: 1.0}",
+        f"rlhf.rollout_engine={engine}", "eval.max_prompts=8",
+    ]
+    return validate(apply_overrides({}, overrides), origin="<bench gpu_grpo>")
+
+
+def read_workspace(root: Path) -> tuple[dict, dict]:
+    meta = json.loads((root / "bench.json").read_text())
+    return meta["shape"], meta["workload"]
+
+
+# --------------------------------------------------------------------------- the rollout alone
+def rollout_inputs(root: Path, work: dict):
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.ops import paths
+    from rlhf_core.passes.generation import encode_prompts
+    from rlhf_core.trainers.common import read_split
+
+    tok = load_tokenizer(root / paths.SFT_MODEL)
+    texts = read_split(root, "prompts", columns=("prompt",))["prompt"][:work["prompts"]]
+    ids, mask = encode_prompts(tok, texts, work["prompt_len"])
+    return tok, ids.repeat_interleave(work["group"], 0), mask.repeat_interleave(work["group"], 0)
+
+
+def copy_bandwidth() -> float | None:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (the HBM figure the bound uses)."""
+    if not torch.cuda.is_available():
+        return None
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync()
+    return 2 * 10 * a.numel() / (time.perf_counter() - t0)
+
+
+def decode_bound_s(model, rows: int, prompt_len: int, new_tokens: int, bandwidth: float) -> float:
+    """Seconds to read the weights and the KV cache written so far once per decode step at ``bandwidth``."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    width = next(model.parameters()).element_size()
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * width
+    kv = sum(rows * (prompt_len + t) * kv_per_token for t in range(new_tokens))
+    return (new_tokens * weights + kv) / bandwidth
+
+
+def bench_decode(root: Path, repeats: int = 2) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.ops import paths
+    from rlhf_core.passes.generation import GenerationConfig, rollout
+    from rlhf_core.passes.static_decode import static_rollout
+
+    _, work = read_workspace(root)
+    tok, ids, mask = rollout_inputs(root, work)
+    dev = device()
+    model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL, dtype=dtype()).to(dev).eval()
+    R = work["new_tokens"]
+    out = {"verb": "decode", "rows": ids.shape[0], "prompt_len": ids.shape[1], "new_tokens": R, "engines": {}}
+    for engine in ("generate", "static_eager", "static"):
+        gen = GenerationConfig(R, min_new_tokens=R, engine="generate")
+
+        def sample(engine=engine, gen=gen):
+            if engine == "generate":  # the rollout (texts decoded too: a few ms)
+                return rollout(model, ids, mask, tok, gen, group_size=work["group"]).responses
+            return static_rollout(model, ids, mask, R, tok.eos_token_id, tok.pad_token_id, min_new_tokens=R,
+                                  group_size=work["group"], use_graph=engine == "static" and dev.type == "cuda")[0]
+
+        times = []
+        torch.manual_seed(0)
+        for i in range(repeats + 1):
+            sync()
+            t0 = time.perf_counter()
+            responses = sample()
+            sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+        s = sum(times) / len(times)
+        out["engines"][engine] = {"s": s, "tokens_per_s": ids.shape[0] * R / s, "ms_per_step": 1000 * s / R,
+                                  "times": times, "response_len": responses.shape[1]}
+    bw = copy_bandwidth()
+    if bw:
+        out["copy_bandwidth_tb_s"] = bw / 1e12
+        out["bound_s"] = decode_bound_s(model, ids.shape[0], ids.shape[1], R, bw)
+    out["peak_gib"] = peak_gib()
+    return out
+
+
+def bench_profile(root: Path, steps: int = 16) -> dict:
+    """The torch profiler over a ``generate`` rollout of ``steps`` tokens: the top ops by device and host time."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.ops import paths
+    from rlhf_core.passes.generation import GenerationConfig, rollout
+
+    _, work = read_workspace(root)
+    tok, ids, mask = rollout_inputs(root, work)
+    model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL, dtype=dtype()).to(device()).eval()
+    gen = GenerationConfig(steps, min_new_tokens=steps, engine="generate")
+    rollout(model, ids, mask, tok, gen, group_size=work["group"])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        rollout(model, ids, mask, tok, gen, group_size=work["group"])
+        sync()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25)
+    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return {"verb": "profile", "steps": steps, "by_device": table, "by_host": host}
+
+
+# --------------------------------------------------------------------------- one GRPO iteration
+def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1) -> dict:
+    from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
+
+    shape, work = read_workspace(root)
+    params = workspace_params(root, shape, work, engine)
+    trainer = RLHFTrainer(params, root, evaluate=False, checkpoints=False).setup()
+    trainer.maker.cfg.gen = replace(trainer.maker.cfg.gen, min_new_tokens=work["new_tokens"])
+    for _ in range(warmup):
+        trainer.step()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    runs = [trainer.step() for _ in range(iterations)]
+    mean = {k: sum(r[k] for r in runs) / len(runs) for k in ("t_generate", "t_score", "t_train", "t_step", "rows")}
+    return {"verb": "ours", "engine": engine, "iterations": iterations, "rows": mean["rows"],
+            "s_per_iteration": mean["t_step"], "samples_per_s": mean["rows"] / mean["t_step"],
+            "generate_s": mean["t_generate"], "score_ref_s": mean["t_score"], "train_s": mean["t_train"],
+            "step_times_s": [r["t_step"] for r in runs], "peak_gib": peak_gib(),
+            "precision": trainer.actor.precision}
+
+
+def bench_trl(root: Path, iterations: int = 2, warmup: int = 1, weights: str = "bf16") -> dict:
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.ops import paths
+    from rlhf_core.trainers.common import read_split
+
+    _, work = read_workspace(root)
+    per_step = work["prompts"] * work["group"]
+
+    class StepTimes(TrainerCallback):
+        marks: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks = [time.perf_counter()]
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == warmup and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync()
+            self.marks.append(time.perf_counter())
+
+    steps = warmup + iterations
+    texts = read_split(root, "prompts", columns=("prompt",))["prompt"][:steps * work["prompts"]]
+    data = Dataset.from_dict({"prompt": texts})
+    tok = load_tokenizer(root / paths.SFT_MODEL)
+    gpu = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL,
+                                                 dtype=torch.bfloat16 if gpu and weights == "bf16" else torch.float32)
+    args = GRPOConfig(
+        output_dir=str(root / "trl"), use_cpu=not gpu, bf16=gpu, fp16=False, report_to=[], save_strategy="no",
+        logging_steps=1, max_steps=steps, learning_rate=1e-6, lr_scheduler_type="constant",
+        per_device_train_batch_size=work["micro_batch"], gradient_accumulation_steps=per_step // work["micro_batch"],
+        num_generations=work["group"], max_completion_length=work["new_tokens"],
+        generation_kwargs={"min_new_tokens": work["new_tokens"]}, temperature=1.0, top_p=1.0, top_k=0, beta=0.04,
+        num_iterations=1, epsilon=0.2, seed=1234, dataloader_num_workers=0, shuffle_dataset=False,
+        gradient_checkpointing=False)
+    timer = StepTimes()
+    trainer = GRPOTrainer(model=model, reward_funcs=even_words, args=args, train_dataset=data,
+                          processing_class=tok, callbacks=[timer])
+    trainer.train()
+    gaps = [b - a for a, b in zip(timer.marks[:-1], timer.marks[1:], strict=True)][warmup:]
+    s = sum(gaps) / len(gaps)
+    return {"verb": "trl", "framework": f"trl {trl.__version__}", "weights": weights, "iterations": len(gaps),
+            "rows": per_step, "s_per_iteration": s, "samples_per_s": per_step / s, "step_times_s": gaps,
+            "peak_gib": peak_gib()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("verb", choices=["workspace", "decode", "profile", "ours", "trl"])
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--engine", default="static", choices=["static", "generate", "auto"])
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp32"], help="TRL's model weights.")
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=400, help="workspace: pairwise rows (about 80 %% become prompts)")
+    ap.add_argument("--shape", default="", help='workspace: JSON overrides of the model shape, e.g. {"layers": 2}')
+    ap.add_argument("--workload", default="", help='workspace: JSON overrides, e.g. {"new_tokens": 8}')
+    a = ap.parse_args()
+    os.environ.setdefault("RLHF_TRACKING", "off")
+    if a.verb == "workspace":
+        shape = {**SHAPE, **json.loads(a.shape or "{}")}
+        work = {**WORKLOAD, **json.loads(a.workload or "{}")}
+        row = build_workspace(a.root, shape, work, a.rows)
+        (a.root / "bench.json").write_text(json.dumps({"shape": shape, "workload": work}))
+    elif a.verb == "decode":
+        row = bench_decode(a.root, a.iterations)
+    elif a.verb == "profile":
+        row = bench_profile(a.root)
+    elif a.verb == "ours":
+        row = bench_ours(a.root, a.engine, a.iterations)
+    else:
+        row = bench_trl(a.root, a.iterations, weights=a.weights)
+    row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
