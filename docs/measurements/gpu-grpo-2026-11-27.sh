@@ -35,11 +35,16 @@ verb() {  # verb NAME TIMEOUT_S ARGS...: one process, its log, its JSON row and 
 }
 rm -rf "$W"
 verb workspace 150 workspace "${SIZE[@]}"
-verb decode 150 decode
-verb ours_static 150 ours --engine static
-verb trl 180 trl
-verb ours_generate 150 ours --engine generate
-verb profile 90 profile
+# VERBS="ours_static trl": a subset, in that order (a rerun)
+for v in ${VERBS:-decode ours_static trl ours_generate profile}; do
+    case $v in
+        decode) verb decode 150 decode ;;
+        ours_static) verb ours_static 150 ours --engine static ;;
+        ours_generate) verb ours_generate 150 ours --engine generate ;;
+        trl) verb trl 180 trl ;;
+        profile) verb profile 90 profile ;;
+    esac
+done
 "$PY" -c "
 import json, sys
 for line in open('$OUT/rows.jsonl'):

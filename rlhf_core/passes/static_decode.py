@@ -97,10 +97,11 @@ class StaticDecoder:
             self._capture()
 
     def _step(self) -> None:
-        """One decode step on the buffers (the module docstring's loop body)."""
+        """One decode step on the buffers (the module docstring's loop body). ``forward`` is called without the
+        model's own hooks: a training engine's (DeepSpeed's timers) synchronise, which a capture cannot hold."""
         s = self.settings
         self.mask |= self.columns == (self.P + self.step - 1)
-        out = self.model(input_ids=self.token[:, None], position_ids=self.pos[:, None],
+        out = self.model.forward(input_ids=self.token[:, None], position_ids=self.pos[:, None],
                          attention_mask=self.mask[:, None, None, :], past_key_values=self.cache, use_cache=True,
                          logits_to_keep=1)
         y, lp = next_token(out.logits[:, -1], self.step, **s)
