@@ -12,6 +12,7 @@ every row trains. Each verb runs in its own process, so that peak memory is its 
     python -m benchmarks.gpu_grpo ours --root W [--engine static|generate]
     python -m benchmarks.gpu_grpo trl --root W
     python -m benchmarks.gpu_grpo profile --root W       # the top kernels and ops of a few generate decode steps
+    python -m benchmarks.gpu_grpo score --root W [--forward-batch N]   # the reference pass alone: time, memory
 
 Every verb prints one JSON row. The script that runs them all on a GPU machine is
 docs/measurements/gpu-grpo-*.sh; the figures are in docs/results/benchmarks-gpu-rollout.md.
@@ -230,6 +231,44 @@ def bench_profile(root: Path, steps: int = 16) -> dict:
     return {"verb": "profile", "steps": steps, "by_device": table, "by_host": host}
 
 
+# --------------------------------------------------------------------------- the scoring pass alone
+def bench_score(root: Path, forward_batch: int, precision: str = "auto") -> dict:
+    """The reference log-prob pass of one iteration (every row, packed groups, ``forward_batch`` rows per pass)
+    over random responses, its time and peak memory: device memory on a GPU, the process's peak RSS on a CPU."""
+    import resource
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.ops import paths
+    from rlhf_core.passes.generation import response_logprobs
+    from rlhf_core.trainers.rlhf.experience import batched
+
+    _, work = read_workspace(root)
+    tok, ids, mask = rollout_inputs(root, work)
+    dev = device()
+    dt = {"auto": dtype(), "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL, dtype=dt).to(dev).eval()
+    R, n = work["new_tokens"], ids.shape[0]
+    torch.manual_seed(0)
+    responses = torch.randint(2, model.config.vocab_size, (n, R))
+    seq = torch.cat([ids, responses], dim=1).to(dev)
+    att = torch.cat([mask, torch.ones_like(responses)], dim=1).to(dev)
+    group = torch.arange(n, device=dev) // work["group"]
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        batched(lambda s: response_logprobs(model, seq[s], att[s], R, group=group[s], pack=True).float(), n,
+                forward_batch or n)
+    sync()
+    return {"verb": "score", "rows": n, "forward_batch": forward_batch or n, "dtype": str(dt),
+            "s": time.perf_counter() - t0,
+            "peak_gib": peak_gib(), "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "rss_before_gib": rss_before}
+
+
 # --------------------------------------------------------------------------- one GRPO iteration
 def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1) -> dict:
     from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
@@ -306,11 +345,13 @@ def bench_trl(root: Path, iterations: int = 2, warmup: int = 1, weights: str = "
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("verb", choices=["workspace", "decode", "profile", "ours", "trl"])
+    ap.add_argument("verb", choices=["workspace", "decode", "profile", "score", "ours", "trl"])
     ap.add_argument("--root", type=Path, required=True)
     ap.add_argument("--engine", default="static", choices=["static", "generate", "auto"])
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp32"], help="TRL's model weights.")
     ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--forward-batch", type=int, default=0, help="score: rows per pass (0: all at once)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="score: the model's dtype")
     ap.add_argument("--rows", type=int, default=400, help="workspace: pairwise rows (about 80 %% become prompts)")
     ap.add_argument("--shape", default="", help='workspace: JSON overrides of the model shape, e.g. {"layers": 2}')
     ap.add_argument("--workload", default="", help='workspace: JSON overrides, e.g. {"new_tokens": 8}')
@@ -325,6 +366,8 @@ def main() -> None:
         row = bench_decode(a.root, a.iterations)
     elif a.verb == "profile":
         row = bench_profile(a.root)
+    elif a.verb == "score":
+        row = bench_score(a.root, a.forward_batch, a.dtype)
     elif a.verb == "ours":
         row = bench_ours(a.root, a.engine, a.iterations)
     else:

@@ -427,3 +427,30 @@ def test_pairwise_rm_loss():
     close(chosen.grad, [-0.1344707107, -0.3655292893])
     # margin 1: diffs - 1 = [0, -2]: ln 2 = 0.6931472, ln(1 + e^2) = 2.1269280; mean 1.4100376
     close(pairwise_rm_loss(chosen, rejected, margin=1.0)[0], 1.4100375958)
+
+
+def test_half_precision_log_probs_in_chunks_equal_one_pass(monkeypatch):
+    """Chunks of 3 rows (7 rows of 5 positions, vocabulary 11: a last chunk of 2) give the log-probs and gradients
+    of a one-chunk pass exactly: the float32 reduction is per row."""
+    from rlhf_core.algos import losses
+
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(7, 5, 11, generator=gen).bfloat16()
+    labels = torch.randint(0, 11, (7, 5), generator=gen)
+    weights = torch.randn(7, 5, generator=gen)
+
+    def run(chunk_elements):
+        monkeypatch.setattr(losses, "LOGPROB_CHUNK_ELEMENTS", chunk_elements)
+        logits = base.clone().requires_grad_(True)
+        out = logprobs_from_logits(logits, labels)
+        (out * weights).sum().backward()
+        return out.detach(), logits.grad
+
+    whole, whole_grad = run(2**24)
+    chunked, chunked_grad = run(3 * 11)
+    assert torch.equal(whole, chunked) and torch.equal(whole_grad, chunked_grad)
+    # non-contiguous logits (a slice of positions, as logits_to_keep gives) take the same path
+    leaf = base.clone().requires_grad_(True)
+    sliced = leaf[:, 1:4]
+    assert not sliced.is_contiguous()
+    assert torch.equal(logprobs_from_logits(sliced, labels[:, 1:4]), whole[:, 1:4])

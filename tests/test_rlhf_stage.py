@@ -375,6 +375,7 @@ def test_rollout_log_probs_recorded_while_sampling_equal_the_recomputed_ones(ws,
     tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.micro_batch_size=4", "rlhf.max_new_tokens=6",
                   f"rlhf.rollout_logprobs={source}")
     assert tr.maker.cfg.need_old_logp  # 4 prompts x G=4 in mini-batches of 4: the policy moves in between
+    assert tr.maker.cfg.forward_batch_size == 4  # rlhf.forward_batch_size 0: the training micro-batch
     passes: list[int] = []
 
     def counted(model, *args, **kwargs):

@@ -124,27 +124,42 @@ def value_loss(
     return loss, stats
 
 
-class _GatherLogProb(torch.autograd.Function):
-    """``logits[labels] - logsumexp(logits)`` in float32 for half-precision logits.
+# float32 elements a half-precision log-prob pass holds at once (64 MiB): rows of the logits go through in chunks
+LOGPROB_CHUNK_ELEMENTS = 2**24
 
-    Saves only the (already existing) logits, the labels and the ``[..]`` float32 logsumexp, not a float32
-    copy of the logits; the softmax for the backward pass is recomputed.
+
+class _GatherLogProb(torch.autograd.Function):
+    """``logits[labels] - logsumexp(logits)`` in float32 for half-precision logits, in chunks of rows.
+
+    Saves only the (already existing) logits, the labels and the ``[..]`` float32 logsumexp, never a float32
+    copy of the logits: the float32 reduction (forward) and the softmax (backward) are taken
+    ``LOGPROB_CHUNK_ELEMENTS // V`` rows at a time, so the extra memory is one chunk, not ``[B, T, V]`` in float32.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits.float(), dim=-1)
+        V = logits.shape[-1]
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // V)
+        lse = torch.cat([torch.logsumexp(c.float(), dim=-1) for c in logits.reshape(-1, V).split(rows)])
+        lse = lse.view(logits.shape[:-1])
         ctx.save_for_backward(logits, labels, lse)
         return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``d/dz_v = g * (1[v = label] - softmax(z)_v)``, a chunk of rows at a time, written in the logits' dtype."""
         logits, labels, lse = ctx.saved_tensors
-        grad = grad.unsqueeze(-1)
-        grad_logits = -grad * torch.exp(logits.float() - lse.unsqueeze(-1))
-        grad_logits.scatter_add_(-1, labels.unsqueeze(-1), grad)
-        return grad_logits.to(logits.dtype), None
+        V = logits.shape[-1]
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // V)
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        chunks = zip(logits.reshape(-1, V).split(rows), labels.reshape(-1).split(rows), lse.reshape(-1).split(rows),
+                     grad.reshape(-1).split(rows), out.view(-1, V).split(rows), strict=True)
+        for z, y, c, g, o in chunks:
+            g_z = -g[:, None] * torch.exp(z.float() - c[:, None])
+            g_z.scatter_add_(-1, y[:, None], g[:, None])
+            o.copy_(g_z)
+        return out, None
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

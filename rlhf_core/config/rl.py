@@ -62,6 +62,10 @@ class RLHFConfig(OptimConfig):
     micro_batch_size: int = Field(64, ge=1, description="Experience rows per forward/backward pass (per process).")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step: a mini-batch is "
                                                  "micro_batch_size x grad_accum rows of the buffer per process.")
+    forward_batch_size: int = Field(
+        0, ge=0, description="Rows per inference pass after the rollout (the reference's and the actor's "
+                             "log-probs, the critic's values); 0: `micro_batch_size`, the rows a training pass "
+                             "holds, so no pass needs more memory than training does.")
     save_every: int = Field(50, ge=0, description="Checkpoint every N iterations; 0: only at the end.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
         "constant", description="LR decay after the linear warmup (RL: constant).")

@@ -123,7 +123,7 @@ def build(params: Params, root: Path) -> RLHFBundle:
     maker = ExperienceMaker(
         actor.module, ref, critic.module if critic is not None else None, reward, tok,
         MakerConfig(samples_per_prompt=cfg.samples_per_prompt, gen=gen,
-                    forward_batch_size=cfg.micro_batch_size * cfg.grad_accum,
+                    forward_batch_size=cfg.forward_batch_size or cfg.micro_batch_size,
                     need_old_logp=alg.kl_in_reward or not one_step_per_buffer,
                     need_ref=alg.needs_reference, need_values=alg.critic, baseline=alg.baseline,
                     no_eos_penalty=cfg.no_eos_penalty, shared_prefix=shared_prefix, pack_groups=cfg.pack_groups,
