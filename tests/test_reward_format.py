@@ -211,6 +211,11 @@ def test_a_sequence_classifier_with_its_own_tokenizer_is_the_reward(tmp_path):
     torch.testing.assert_close(reward(prompts, responses), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=f"{rm_dir}.*different tokenizer"):
         RewardSources({"rm": 1.0}, rm_dir, actor_tok, "error")
+    # weight 0 (the no-reward control): the rule alone, the RM never run, though loaded for rm_scores
+    control = RewardSources({"rm": 0.0, "format": 1.0}, rm_dir, actor_tok)
+    calls = []
+    control.rm.score_responses = lambda *a: calls.append(a)
+    assert control(prompts, [" 3", " five", ""]).tolist() == [1.0, 0.0, 0.0] and not calls
 
 
 def test_a_sequence_classifier_initialises_the_critic_and_a_round_continues_from_it(tmp_path):

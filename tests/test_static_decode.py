@@ -107,6 +107,7 @@ def test_which_engine_runs():
     from transformers import MistralConfig, MistralForCausalLM
 
     model, cpu = _tiny_lm(), torch.device("cpu")
+    assert GenerationConfig(4).engine == "auto"  # evaluation and feedback sampling: static on a GPU only
     assert not uses_static_decode(model, GenerationConfig(4, engine="auto"), cpu)
     assert not uses_static_decode(model, GenerationConfig(4, engine="generate"), cpu)
     assert uses_static_decode(model, GenerationConfig(4, engine="static"), cpu)

@@ -95,7 +95,7 @@ class GenerationConfig:
     synced_gpus: bool = False
     min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: a fixed workload)
     record_logprobs: bool = False  # Rollout.logp: the sampled tokens' log-probs, taken while sampling
-    engine: str = "generate"  # "generate", "static" (passes/static_decode.py) or "auto" (static on a GPU)
+    engine: str = "auto"  # "generate", "static" (passes/static_decode.py) or "auto" (static on a GPU)
 
 
 class SampledLogprobs:

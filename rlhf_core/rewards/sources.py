@@ -46,10 +46,12 @@ class RewardSources:
         return self.rm.score_responses(list(prompts), list(completions)).float().cpu()
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> torch.Tensor:
+        """The weighted sum; a source of weight 0 is not run (a control's RM: loaded, never scored here)."""
         total = torch.zeros(len(completions))
         for name, fn in self.rules.items():
-            total += self.weights[name] * torch.tensor(fn(prompts, completions, **columns), dtype=torch.float)
-        if self.rm is not None:
+            if self.weights[name]:
+                total += self.weights[name] * torch.tensor(fn(prompts, completions, **columns), dtype=torch.float)
+        if self.rm is not None and self.weights[RM_SOURCE]:
             total += self.weights[RM_SOURCE] * self.rm_scores(prompts, completions)
         return total
 
