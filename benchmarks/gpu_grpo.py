@@ -270,6 +270,35 @@ def bench_score(root: Path, forward_batch: int, precision: str = "auto") -> dict
 
 
 # --------------------------------------------------------------------------- one GRPO iteration
+class PhasePeaks:
+    """Peak device memory per phase of an iteration: the rollout, the scoring passes, and the update (what the
+    iteration allocates after the passes), each since its own start (``reset_peak_memory_stats``)."""
+
+    def __init__(self, trainer):
+        from rlhf_core.trainers.rlhf import experience
+
+        self.peaks: dict[str, float] = {}
+        self.on = torch.cuda.is_available()
+        experience.rollout = self.wrap(experience.rollout, "generate", "score_and_reward")
+        trainer.maker._forward_passes = self.wrap(trainer.maker._forward_passes, None, "train")
+
+    def wrap(self, fn, name: str | None, after: str):
+        def wrapped(*args, **kwargs):
+            if self.on and name is not None:
+                torch.cuda.reset_peak_memory_stats()
+            out = fn(*args, **kwargs)
+            self.close(name or "score_and_reward")
+            if self.on:
+                torch.cuda.reset_peak_memory_stats()
+            return out
+
+        return wrapped
+
+    def close(self, name: str) -> None:
+        if self.on:
+            self.peaks[name] = max(self.peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+
+
 def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1) -> dict:
     from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
 
@@ -281,13 +310,19 @@ def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1) ->
         trainer.step()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    runs = [trainer.step() for _ in range(iterations)]
+    phases = PhasePeaks(trainer)
+    overall = 0.0
+    runs = []
+    for _ in range(iterations):
+        runs.append(trainer.step())
+        phases.close("train")
+        overall = max(overall, *phases.peaks.values()) if phases.peaks else overall
     mean = {k: sum(r[k] for r in runs) / len(runs) for k in ("t_generate", "t_score", "t_train", "t_step", "rows")}
     return {"verb": "ours", "engine": engine, "iterations": iterations, "rows": mean["rows"],
             "s_per_iteration": mean["t_step"], "samples_per_s": mean["rows"] / mean["t_step"],
             "generate_s": mean["t_generate"], "score_ref_s": mean["t_score"], "train_s": mean["t_train"],
-            "step_times_s": [r["t_step"] for r in runs], "peak_gib": peak_gib(),
-            "precision": trainer.actor.precision}
+            "step_times_s": [r["t_step"] for r in runs], "peak_gib": overall if phases.on else None,
+            "phase_peak_gib": phases.peaks, "precision": trainer.actor.precision}
 
 
 def bench_trl(root: Path, iterations: int = 2, warmup: int = 1, weights: str = "bf16") -> dict:
