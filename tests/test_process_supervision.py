@@ -143,3 +143,92 @@ def test_prepare_builds_the_multistep_task_for_the_tiny_model(tmp_path):
     assert len(newline) == 1
     ids = tok.encode(sft.response.iloc[0], add_special_tokens=False)
     assert ids.count(newline[0]) == sft.response.iloc[0].count(STEP_DELIMITER)
+
+
+# --------------------------------------------------------------------------- the process reward model
+def _step_pairs(labels_c, labels_r):
+    """One pair by hand: prompt [5, 6], chosen response [7, D, 8, EOS], rejected [7, D, 9, EOS] (D = 3, EOS = 2)."""
+    from rlhf_core.data.collate import PairData, Ragged, TokenizedSequences
+    from rlhf_core.trainers.rm_process import StepPairData
+
+    def seqs(row):
+        tokens = Ragged.from_lists([row])
+        return TokenizedSequences(tokens, torch.tensor([False, False, True, True, True, True]), torch.tensor([2]), 0)
+
+    data = PairData(seqs([5, 6, 7, 3, 8, 2]), seqs([5, 6, 7, 3, 9, 2]))
+    return StepPairData(data.chosen, data.rejected, Ragged.from_lists([labels_c], dtype=torch.float32),
+                        Ragged.from_lists([labels_r], dtype=torch.float32), delimiter_id=3)
+
+
+def test_step_batches_put_each_label_at_its_step_end():
+    """Steps end at the delimiter (position 3) and the EOS (5): chosen [1, 1], rejected [1, 0] land there; an
+    unlabelled row (no labels: its steps did not match its text) has no step end."""
+    from rlhf_core.trainers.rm_process import collate_steps
+
+    batch = collate_steps(_step_pairs([1.0, 1.0], [1.0, 0.0]), torch.tensor([0]), pad_id=0)
+    assert batch["step_ends"].tolist() == [[False, False, False, True, False, True]] * 2
+    assert batch["step_labels"].tolist() == [[0, 0, 0, 1, 0, 1], [0, 0, 0, 1, 0, 0]]
+    unlabelled = collate_steps(_step_pairs([1.0, 1.0], []), torch.tensor([0]), pad_id=0)
+    assert not unlabelled["step_ends"][1].any() and unlabelled["step_ends"][0].sum() == 2
+
+
+@pytest.fixture(scope="module")
+def multistep_ws(tmp_path_factory):
+    """The multi-step task on the tiny model (operands 0-9, 2-3 steps) and its SFT model, made once."""
+    from rlhf_core.stages.prepare import prepare
+    from rlhf_core.trainers.sft import train_sft
+
+    root = tmp_path_factory.mktemp("prm")
+    prepare(_prm_params(), root)
+    train_sft(_prm_params(), root)
+    return root
+
+
+def _prm_params(*overrides: str):
+    from tests.tiny import TINY_DEMO, tiny_params
+
+    return tiny_params([*TINY_DEMO, "data.source=multistep", "data.multistep.n_train=1500",
+                        "data.multistep.n_held_out=150", "data.multistep.max_ops=3", "data.multistep.max_operand=9",
+                        "data.max_prompt_len=40", "data.max_response_len=40", "model.tiny.max_position_embeddings=96",
+                        "sft.epochs=10", "rm.objective=process", "rm.micro_batch_size=32", "rm.lr=0.003",
+                        "rm.warmup_steps=5", "rm.log_every=20", "rm.epochs=6", "eval.max_prompts=16"], *overrides)
+
+
+def test_prm_learns_held_out_step_labels_and_its_outcome_score_is_the_last_steps(multistep_ws, tmp_path):
+    """``rm.objective: process`` on the checker's step labels of the pairs: on held-out questions the step loss
+    falls and the steps labelled wrong, all missed at the start, start being found; the saved PRM is an ordinary
+    reward model whose score (RL's ``rm`` source) is the value at the last step's end."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from rlhf_core.rewards.sources import RewardSources
+    from rlhf_core.trainers.rm import train_rm
+
+    for sub in ("data", "models"):
+        shutil.copytree(multistep_ws / sub, tmp_path / sub)
+    m = train_rm(_prm_params(), tmp_path)
+    assert m["objective"] == "process" and m["step_ends"] > 200 and m["unlabelled_rows"] <= 5, m
+    assert m["step_loss"] < m["step_loss_before"] - 0.03, m
+    assert m["step_accuracy_wrong_before"] < 0.05 and m["step_accuracy_wrong"] > 0.15, m
+    pairs = pq.read_table(tmp_path / "data/prepared/eval_pairs.parquet").to_pylist()
+    chosen = RewardSources({"rm": 1.0}, tmp_path / "models/rm")([x["prompt"] for x in pairs],
+                                                                  [x["chosen"] for x in pairs])
+    assert float(chosen.mean()) == pytest.approx(m["chosen_mean"], rel=1e-4, abs=1e-5)
+    card = (tmp_path / "models/rm/README.md").read_text()
+    assert "Process reward model" in card and "| `rm.objective` | `process` |" in card
+    assert "defined only up to a per-prompt constant" in card  # a proxy's limits
+
+
+def test_prm_refuses_a_task_without_step_labels_and_a_split_delimiter(multistep_ws, tmp_path):
+    import shutil
+
+    from rlhf_core.engine.errors import TrainingInputError
+    from rlhf_core.trainers.rm import train_rm
+
+    for sub in ("data", "models"):
+        shutil.copytree(multistep_ws / sub, tmp_path / sub)
+    with pytest.raises(TrainingInputError, match="data.source must be multistep"):
+        train_rm(_prm_params("data.source=demo"), tmp_path)
+    with pytest.raises(TrainingInputError, match=r"rm.step_delimiter 'Compute step' is \d+ tokens"):
+        train_rm(_prm_params("rm.step_delimiter=Compute step"), tmp_path)

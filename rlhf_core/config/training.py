@@ -47,13 +47,20 @@ class RMConfig(EpochConfig):
     margin: float = Field(0.0, ge=0.0, description="Margin m in -log sigmoid(r_c - r_r - m).")
     loss: Literal["sequence", "divergence"] = Field(
         "sequence", description="`divergence`: DeepSpeed-Chat's per-token loss after the first divergence.")
-    objective: Literal["score_head", "dpo"] = Field(
+    objective: Literal["score_head", "dpo", "process"] = Field(
         "score_head", description="`score_head`: a fresh linear head on the backbone, Bradley-Terry on its scores "
                                   "(a `*ForSequenceClassification` checkpoint). `dpo`: DPO's implicit reward, "
                                   "beta * [log pi(y|x) - log pi_ref(y|x)], pi a LoRA adapter on the init model "
                                   "trained with DPO's loss, pi_ref the init model (the adapter off): the "
                                   "preference read through the LM head (rlhf_core/models/implicit_reward.py). "
-                                  "Needs `compute.lora.enabled`, `loss: sequence`, no feedback rounds.")
+                                  "Needs `compute.lora.enabled`, `loss: sequence`, no feedback rounds. "
+                                  "`process`: a process reward model (Math-Shepherd): the head's value at each "
+                                  "step's end, trained with binary cross-entropy on the checker's step labels of "
+                                  "the pairs' responses (`data.source: multistep`); its outcome score is the "
+                                  "last step's.")
+    step_delimiter: str = Field("\n", min_length=1, description="`objective: process`: the text that ends a step "
+                                                                 "(one token of the tokenizer); a response's last "
+                                                                 "step ends at its last token.")
     beta: float = Field(0.1, gt=0.0, description="`objective: dpo`: the beta of the implicit reward (DPO's "
                                                  "temperature; the reward's scale).")
     max_length: int | None = Field(

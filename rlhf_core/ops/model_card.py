@@ -28,6 +28,11 @@ ROLES: dict[str, tuple[str, str]] = {  # role -> (pipeline_tag, one-line descrip
                                      "pi this causal LM with its `adapter/` on, pi_ref the same weights with it off "
                                      "(`implicit_reward.json` holds beta); trained on pairwise preferences with "
                                      "DPO's loss. Scored by rlhf-ops' `load_scorer`."),
+    "proxy_process": ("text-classification", "Process reward model: the value of its `score` head at each step's "
+                                             "end (sigmoid: the probability that the chain is still right), "
+                                             "trained on the checker's step labels with binary cross-entropy "
+                                             "(Math-Shepherd); as a transformers sequence classifier its score "
+                                             "is the last step's."),
     "judge": ("text-classification", "Judge reward model, trained on the held-out pairs the proxy RM never saw; "
                                      "used to evaluate, never to train."),
     "actor": ("text-generation", "Policy (actor) after RLHF against the configured reward."),
@@ -37,7 +42,8 @@ ROLES: dict[str, tuple[str, str]] = {  # role -> (pipeline_tag, one-line descrip
 KEY_PARAMS: dict[str, tuple[str, ...]] = {
     "sft": ("epochs", "lr", "lr_scheduler", "warmup_steps", "micro_batch_size", "grad_accum", "max_length",
             "packing"),
-    "rm": ("objective", "beta", "loss", "epochs", "lr", "micro_batch_size", "grad_accum", "max_length", "init_from"),
+    "rm": ("objective", "beta", "step_delimiter", "loss", "epochs", "lr", "micro_batch_size", "grad_accum",
+           "max_length", "init_from"),
     "rlhf": ("algorithm", "reward_fns", "num_steps", "prompts_per_step", "lr", "kl_coef", "kl_estimator",
              "ptx_coef", "reward_clip", "max_new_tokens", "temperature"),
 }
@@ -54,7 +60,8 @@ LIMITS = {
 
 def _role(meta: dict) -> str:
     role = meta.get("role") or ("proxy" if meta.get("stage") == "rm" else meta.get("stage", "sft"))
-    return f"{role}_dpo" if role == "proxy" and meta.get("objective") == "dpo" else role
+    objective = meta.get("objective")
+    return f"{role}_{objective}" if role == "proxy" and objective in ("dpo", "process") else role
 
 
 def _front_matter(meta: dict, params: Params, role: str) -> dict[str, Any]:
@@ -122,6 +129,6 @@ def render_model_card(meta: dict, params: Params, metrics: dict | None = None) -
               "- versions: " + ", ".join(f"{k} {v}" for k, v in sorted((meta.get("versions") or {}).items())),
               *([f"- image: `{meta['image']}`"] if meta.get("image") else []), ""]
     limits = [LIMITS["common"]] + ([LIMITS["demo"]] if params.model.name_or_path is None else [])
-    limits += [LIMITS[k] for k in ("proxy", "actor") if k == role.removesuffix("_dpo")]
+    limits += [LIMITS[k] for k in ("proxy", "actor") if k == role.removesuffix("_dpo").removesuffix("_process")]
     lines += ["## Limitations", "", *[f"- {text}" for text in limits], ""]
     return "\n".join(lines)

@@ -227,6 +227,10 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     init_source = str(init_ref) if init_kind != "base" else base_model_source(params, root)
     objective = OBJECTIVES[cfg.objective]
     objective.check(params, init_kind)
+    if objective.targets is not None:
+        data = objective.targets(data, train, tokenizer, cfg)
+        eval_data = objective.targets(eval_data, evals, tokenizer, cfg)
+    collate = objective.collate or collate_pairs
     plan, engine = build_engine(params, cfg, "rm.max_length", len(data),
                                 lambda: objective.build(params, root, init_kind, init_ref), init_source, tokenizer,
                                 max_length)
@@ -238,10 +242,16 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     bs = params.eval.batch_size
     fresh_data = encode_pairs(tokenizer, fresh, max_length, str(train_file)) if fresh is not None else None
 
+    def evaluate(d) -> dict:
+        out = eval_pairs(engine.module, d, bs, pad_id, engine.device, cfg.margin, score_fn)
+        if objective.evaluate is not None:
+            out |= objective.evaluate(engine.module, d, bs, pad_id, engine.device)
+        return out
+
     def initial() -> dict:
         """The starting model on the eval pairs and, in a round, on the round's new pairs (before training on
         them: how well the previous RM judges what the current policy writes)."""
-        out = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin, score_fn)
+        out = evaluate(eval_data)
         if fresh_data is not None:
             out["fresh_accuracy"] = eval_pairs(engine.module, fresh_data, bs, pad_id, engine.device, cfg.margin,
                                                score_fn)["accuracy"]
@@ -253,11 +263,12 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
              "truncated": data.truncated, "threads": threads}, state.step)
 
     state = fit(engine, plan, ResumableSampler(plan, params.project.seed, D.rank()),
-                lambda idx: collate_pairs(data, idx, pad_id), make_rm_loss(cfg.loss, cfg.margin, score_fn), state, ckpt,
+                lambda idx: collate(data, idx, pad_id), objective.loss or make_rm_loss(cfg.loss, cfg.margin, score_fn),
+                state, ckpt,
                 log,
                 save_every=cfg.save_every, log_every=cfg.log_every, hooks=hooks)
 
-    after = eval_pairs(engine.module, eval_data, bs, pad_id, engine.device, cfg.margin, score_fn)
+    after = evaluate(eval_data)
     before = state.extra["before"]
     metrics = {
         **{f"{k}_before": v for k, v in before.items()}, **after,

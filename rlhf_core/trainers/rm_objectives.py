@@ -2,11 +2,14 @@
 
     score_head   r(x, y) = w . h_T(x, y)                            a fresh head at the last token
     dpo          r(x, y) = beta * [log pi(y|x) - log pi_ref(y|x)]   DPO's implicit reward (Rafailov et al. 2023)
+    process      r(x, y_<=k) = w . h_end(k)(x, y)                    the head at every step's end (Math-Shepherd)
 
-Both train on ``-log sigmoid(r_chosen - r_rejected - margin)`` (``algos.pairwise_rm_loss``; DPO's loss is that
-on its implicit rewards, margin 0). An objective says how its model is built from the init (``rm.init_from``),
+``score_head`` and ``dpo`` train on ``-log sigmoid(r_chosen - r_rejected - margin)`` (``algos.pairwise_rm_loss``;
+DPO's loss is that on its implicit rewards, margin 0); ``process`` on the checker's step labels of the same
+pairs' responses (``rm_process``). An objective says how its model is built from the init (``rm.init_from``),
 how a batch of ``[2B]`` chosen-then-rejected rows is scored, how the model is saved, what the saved model's
-score is (its ``rlhf_meta.json``), and which settings it refuses.
+score is (its ``rlhf_meta.json``), which settings it refuses, and, where it trains on more than the pairs'
+order, what it adds to the pairs, batches them with, minimises and measures.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from pathlib import Path
 import torch
 
 from rlhf_core.config import Params, RMConfig
+from rlhf_core.data.collate import PairData
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.models.implicit_reward import implicit_scores, save_implicit_rm
 from rlhf_core.models.loading import build_causal_lm, build_value_model, load_causal_lm, save_value_model
 from rlhf_core.ops import paths
+from rlhf_core.trainers import rm_process
 
 ScoreFn = Callable[[torch.nn.Module, dict, torch.device], torch.Tensor]  # (model or engine, batch, device) -> [2B]
 
@@ -70,6 +75,11 @@ class Objective:
     save: Callable[[Params, int], Callable]  # (params, pad id) -> save(model, directory)
     describe: Callable[[RMConfig], str]
     check: Callable[[Params, str], None] = lambda params, init_kind: None
+    # None: the pairs alone, collate_pairs, the pairwise loss (rm.loss), pairwise accuracy only
+    targets: Callable[[PairData, dict, object, RMConfig], PairData] | None = None  # (data, rows, tokenizer, cfg)
+    collate: Callable[[PairData, torch.Tensor, int], dict] | None = None
+    loss: Callable[[object, dict], tuple[torch.Tensor, dict]] | None = None  # (engine, batch) -> (loss, stats)
+    evaluate: Callable[..., dict] | None = None  # (model, data, batch size, pad id, device) -> extra metrics
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -84,4 +94,13 @@ OBJECTIVES: dict[str, Objective] = {
         save=lambda params, pad_id: lambda m, d: save_implicit_rm(m, d, params.rm.beta),
         describe=lambda cfg: f"implicit reward {cfg.beta} * [log pi(y|x) - log pi_ref(y|x)]",
         check=check_dpo),
+    "process": Objective(
+        build=lambda params, root, kind, ref: build_value_model(params, root, kind, ref),
+        scores=lambda cfg: head_scores,
+        save=lambda params, pad_id: lambda m, d: save_value_model(m, d, params.compute.lora.merge_on_save, pad_id),
+        describe=lambda cfg: f"process reward: the value at each step's end ({cfg.step_delimiter!r}), "
+                             "sigmoid = P(the chain is still right); the outcome score is the last step's",
+        check=rm_process.check_process,
+        targets=lambda data, rows, tok, cfg: rm_process.with_step_labels(data, rows, tok, cfg.step_delimiter),
+        collate=rm_process.collate_steps, loss=rm_process.step_loss, evaluate=rm_process.eval_steps),
 }
