@@ -232,3 +232,75 @@ def test_prm_refuses_a_task_without_step_labels_and_a_split_delimiter(multistep_
         train_rm(_prm_params("data.source=demo"), tmp_path)
     with pytest.raises(TrainingInputError, match=r"rm.step_delimiter 'Compute step' is \d+ tokens"):
         train_rm(_prm_params("rm.step_delimiter=Compute step"), tmp_path)
+
+
+# --------------------------------------------------------------------------- RL with process supervision
+@pytest.fixture(scope="module")
+def with_prm(multistep_ws, tmp_path_factory):
+    """The multi-step workspace with a trained process reward model in models/rm."""
+    import shutil
+
+    from rlhf_core.trainers.rm import train_rm
+
+    root = tmp_path_factory.mktemp("prm-rl")
+    for sub in ("data", "models"):
+        shutil.copytree(multistep_ws / sub, root / sub)
+    train_rm(_prm_params(), root)
+    return root
+
+
+RL_PROCESS = ("rlhf.algorithm=grpo", "rlhf.grpo.supervision=process", "rlhf.reward_fns={rm: 1.0}",
+              "rlhf.prompts_per_step=4", "rlhf.grpo.group_size=4", "rlhf.max_new_tokens=24", "rlhf.micro_batch_size=16",
+              "rlhf.num_steps=2", "rlhf.log_every=1", "rlhf.save_every=0", "rlhf.lr=1e-3", "rlhf.temperature=1.5")
+
+
+def test_grpo_with_process_supervision_credits_each_token_with_its_steps_rewards(with_prm):
+    """One iteration under ``grpo.supervision: process``: every kept row's advantages are
+    ``process_advantages`` of the PRM's values at its step ends, normalised over its whole group of G, before any
+    row was dropped; the training step runs and stays finite."""
+    from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
+
+    tr = RLHFTrainer(_prm_params(*RL_PROCESS), with_prm, evaluate=False, checkpoints=False).setup()
+    assert tr.bundle.algorithm.name == "grpo/process" and tr.maker.cfg.process is not None
+    captured = {}
+    advantages = tr.maker.cfg.process.advantages
+
+    def spy(roll, group_size):
+        captured["roll"], captured["out"] = roll, advantages(roll, group_size)
+        return captured["out"]
+
+    object.__setattr__(tr.maker.cfg.process, "advantages", spy)
+    torch.manual_seed(0)
+    exp = tr.collect(0)
+    roll, (adv, step_rewards, empty) = captured["roll"], captured["out"]
+    values = tr.maker.cfg.process.values(roll.sequences, roll.attention_mask, roll.responses.shape[1])
+    ends, empty_again = step_ends(roll.responses, roll.action_mask, tr.maker.cfg.process.delimiter_id)
+    assert torch.equal(empty, empty_again) and ends.sum() > len(roll.responses)  # several steps per row
+    expected = process_advantages(values, ends & ~empty[:, None], roll.action_mask, 4)
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(step_rewards, torch.where(ends, values, torch.zeros(())))  # the logged rewards
+    from rlhf_core.trainers.rlhf.experience import empty_response
+
+    kept = ~(empty | empty_response(roll.responses, roll.action_mask, tr.bundle.tokenizer.eos_token_id))
+    assert kept.any()  # the buffer: the sampled rows less the dropped ones, in order, trimmed to the longest
+    torch.testing.assert_close(exp.step_advantages, adv[kept][:, :exp.response_len])
+    metrics = tr.step()
+    assert all(v == v for v in metrics.values() if isinstance(v, float)), metrics
+    assert "empty_step_dropped" in metrics
+
+
+def test_process_supervision_refuses_other_rewards_and_an_outcome_rm(with_prm, tmp_path):
+    import json
+    import shutil
+
+    from rlhf_core.engine.errors import TrainingInputError
+    from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
+
+    with pytest.raises(TrainingInputError, match=r"process reward model alone: set rlhf.reward_fns to \{rm: 1.0\}"):
+        RLHFTrainer(_prm_params(*RL_PROCESS, "rlhf.reward_fns={rm: 1.0, format: 0.5}"), with_prm).setup()
+    for sub in ("data", "models"):
+        shutil.copytree(with_prm / sub, tmp_path / sub)
+    meta = tmp_path / "models/rm/rlhf_meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "objective": "score_head"}))
+    with pytest.raises(TrainingInputError, match="trained with rm.objective: score_head"):
+        RLHFTrainer(_prm_params(*RL_PROCESS), tmp_path).setup()

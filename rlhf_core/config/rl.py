@@ -43,6 +43,14 @@ class GRPOConfig(Section):
     clip_eps: float = Field(0.2, gt=0.0, description="Ratio clip of the GRPO surrogate.")
     scale: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO: centre only).")
+    supervision: Literal["outcome", "process"] = Field(
+        "outcome", description="`outcome`: one score per response, every token's advantage the group-normalised "
+                               "score. `process` (DeepSeekMath 4.1.3): a process reward model (`rm.objective: "
+                               "process`, the only reward source) scores every step's end (`rm.step_delimiter`); "
+                               "the step rewards of a group's G responses are normalised together and a token's "
+                               "advantage is the sum of those of its step and every later one "
+                               "(`algos.process.process_advantages`). Responses with an empty step are dropped, "
+                               "counted as `empty_step_dropped`.")
     drop_uniform_groups: bool = Field(
         False, description="Drop the groups whose G scores are all equal (every advantage 0: only the KL term "
                            "would train on them) before the reference pass and training, counted as "

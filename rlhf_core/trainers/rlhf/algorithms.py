@@ -5,6 +5,7 @@ and ``c`` the KL coefficient::
 
     algorithm         critic  baselined score b_i (whole groups)      token advantages A_t             KL to ref
     grpo              -       (s_i - mean_g s) / std (grpo.scale)     A_t = b_i                        beta k3, loss
+    grpo/process      -       per step: r~ = (r - mean_g R) / std_g R  A_t = sum_{ends >= t} r~         beta k3, loss
     ppo/gae           yes     s_i, or s_i - mean_g s                  GAE(V, r)                        in r (or loss)
     ppo/rloo          -       s_i - mean_{j != i} s_j                 sum_{k>=t} gamma^(k-t) r_k       in r (or loss)
     ppo/reinforce_pp  -       s_i, or s_i - mean_g s                  whiten(sum_{k>=t} ...)           in r (or loss)
@@ -54,6 +55,7 @@ class Algorithm:
     advantages: Advantages
     loss: ActorLossConfig
     drop_uniform_groups: bool = False  # groups scored all alike (every advantage 0) leave the buffer (GRPO)
+    process: bool = False  # step rewards from a process reward model, baselined per group (grpo/process)
 
     @property
     def needs_reference(self) -> bool:
@@ -65,12 +67,14 @@ def algorithm_for(cfg: RLHFConfig) -> Algorithm:
     n = cfg.samples_per_prompt
     if cfg.algorithm == "grpo":
         g = cfg.grpo
-        return Algorithm("grpo", critic=False, kl_in_reward=False, kl_coef=g.beta, kl_metric="k1", adaptive_kl=False,
+        process = g.supervision == "process"
+        return Algorithm("grpo/process" if process else "grpo", critic=False, kl_in_reward=False, kl_coef=g.beta,
+                         kl_metric="k1", adaptive_kl=False,
                          baseline=partial(group_advantages, group_size=n, scale=g.scale),
-                         advantages=grpo_advantages,
+                         advantages=process_grpo_advantages if process else grpo_advantages,
                          loss=ActorLossConfig(clip_eps=g.clip_eps, kl_in_loss=g.beta > 0, kl_estimator=g.kl_estimator,
                                               entropy_coef=cfg.entropy_coef, temperature=cfg.temperature),
-                         drop_uniform_groups=g.drop_uniform_groups)
+                         drop_uniform_groups=g.drop_uniform_groups and not process, process=process)
     p = cfg.ppo
     centred = partial(group_advantages, group_size=n, scale="none")
     score_baseline = centred if p.score_baseline == "group_mean" else _identity
@@ -116,6 +120,18 @@ def grpo_advantages(exp: Experience, kl_coef: float) -> Experience:
     adv = torch.where(mask, exp.baselined.float().unsqueeze(-1), zero)
     last = mask & (torch.arange(mask.shape[1]) == mask.sum(1, keepdim=True) - 1)
     return replace(exp, rewards=torch.where(last, exp.scores.float().unsqueeze(-1), zero), advantages=adv, returns=adv)
+
+
+def process_grpo_advantages(exp: Experience, kl_coef: float) -> Experience:
+    """``A_t = sum over step ends t' >= t of r~(t')``, taken on whole groups before rows were dropped
+    (``Experience.step_advantages``); ``rewards`` holds the PRM's step rewards at the step ends (for metrics)."""
+    if exp.step_advantages is None:
+        raise ValueError("grpo/process needs the step advantages the experience maker computes from the PRM")
+    mask = exp.action_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32)
+    adv = torch.where(mask, exp.step_advantages.float(), zero)
+    return replace(exp, rewards=exp.rewards if exp.rewards is not None else torch.zeros(mask.shape), advantages=adv,
+                   returns=adv)
 
 
 def gae_advantages(exp: Experience, kl_coef: float, rewards: Callable, gamma: float, lam: float,

@@ -29,7 +29,7 @@ from rlhf_core.trainers.rlhf.algorithms import Algorithm, algorithm_for
 from rlhf_core.trainers.rlhf.ema import EMA
 from rlhf_core.trainers.rlhf.experience import ExperienceMaker, MakerConfig, n_minibatches
 from rlhf_core.trainers.rlhf.inputs import Inputs, Prompts, check_inputs, load_prompts, load_ptx
-from rlhf_core.trainers.rlhf.models import load_actor, load_critic, load_reference
+from rlhf_core.trainers.rlhf.models import load_actor, load_critic, load_process_rewards, load_reference
 
 
 @dataclass
@@ -127,7 +127,10 @@ def build(params: Params, root: Path) -> RLHFBundle:
                     need_old_logp=alg.kl_in_reward or not one_step_per_buffer,
                     need_ref=alg.needs_reference, need_values=alg.critic, baseline=alg.baseline,
                     no_eos_penalty=cfg.no_eos_penalty, shared_prefix=shared_prefix, pack_groups=cfg.pack_groups,
-                    drop_uniform_groups=alg.drop_uniform_groups, checker=params.eval.checker),
+                    drop_uniform_groups=alg.drop_uniform_groups, checker=params.eval.checker,
+                    process=load_process_rewards(params, inputs.rm, tok, actor.device,
+                                                 cfg.forward_batch_size or cfg.micro_batch_size)
+                    if alg.process else None),
         device=actor.device)
     if alg.adaptive_kl:
         kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)

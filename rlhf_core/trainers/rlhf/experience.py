@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.algos import kl_estimate
+from rlhf_core.algos.process import process_advantages, step_ends
 from rlhf_core.engine import distributed as D
 from rlhf_core.passes.generation import (
     GenerationConfig,
@@ -53,7 +54,7 @@ def empty_response(responses: torch.Tensor, action_mask: torch.Tensor, eos_token
 
 
 # --------------------------------------------------------------------------- experience rows
-_OPTIONAL = ("old_logp", "ref_logp", "values", "rewards", "advantages", "returns", "baselined")
+_OPTIONAL = ("old_logp", "ref_logp", "values", "rewards", "advantages", "returns", "baselined", "step_advantages")
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Experience(PromptResponseBatch):
     ref_logp: torch.Tensor | None = None
     values: torch.Tensor | None = None
     baselined: torch.Tensor | None = None  # [B]
+    step_advantages: torch.Tensor | None = None  # [B, R] process supervision: advantages from the step rewards
     rewards: torch.Tensor | None = None  # [B, R] token rewards (set by compute_advantages)
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
@@ -179,6 +181,24 @@ class MakerConfig:
     pack_groups: bool = False  # ... with the group's responses packed after it (``group_packing``)
     drop_uniform_groups: bool = False  # drop groups whose scores are all equal (zero advantage on every row)
     checker: str = "exact"  # eval.checker: judges the samples (logged, never the reward)
+    process: ProcessRewards | None = None  # grpo.supervision: process
+
+
+@dataclass(frozen=True)
+class ProcessRewards:
+    """A process reward model read at every step end: ``values(sequences, attention_mask, R)`` gives ``[B, R]``
+    (its value after each response token), ``delimiter_id`` ends a step (``algos.process.step_ends``)."""
+
+    values: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    delimiter_id: int
+
+    def advantages(self, roll, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(advantages [B, R], step rewards at the ends [B, R], rows with an empty step [B])`` on whole groups."""
+        mask = roll.action_mask
+        ends, empty = step_ends(roll.responses, mask, self.delimiter_id)
+        rewards = self.values(roll.sequences, roll.attention_mask, roll.responses.shape[1]).float().cpu()
+        advantages = process_advantages(rewards, ends & ~empty[:, None], mask, group_size)
+        return advantages, torch.where(ends, rewards, torch.zeros(())), empty
 
 
 def batched(fn, n: int, batch: int, lockstep: bool = False):
@@ -256,13 +276,20 @@ class ExperienceMaker:
         info |= {"uniform_groups": float(all_equal.sum()) / n, "uniform": float(uniform.sum()),
                  "uniform_score": float(scores[uniform].sum()),
                  "uniform_score_sq": float((scores[uniform] ** 2).sum())}
+        step_adv = step_rewards = None
+        if cfg.process is not None:
+            step_adv, step_rewards, empty_step = cfg.process.advantages(roll, n)
+            empty_step &= ~empty
+            info["empty_step"] = float(empty_step.sum())
+            empty |= empty_step
         keep = ~empty & ~uniform
         if not keep.any():  # keep one row with a zero action mask so the training passes still run
             keep = torch.zeros_like(keep)
             keep[0] = True
             roll.action_mask[0] = 0
         exp = Experience(roll.prompt_ids, roll.prompt_mask, roll.responses, roll.action_mask, scores, group,
-                         old_logp=roll.logp, baselined=baselined).select(keep.nonzero(as_tuple=True)[0], trim=True)
+                         old_logp=roll.logp, baselined=baselined, rewards=step_rewards,
+                         step_advantages=step_adv).select(keep.nonzero(as_tuple=True)[0], trim=True)
         exp.info = info
         self._forward_passes(exp)
         self.actor.train(was_training)

@@ -64,6 +64,8 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
     if RM_SOURCE in cfg.reward_fns and not (rm_dir / "config.json").exists():
         raise TrainingInputError(f"rlhf.reward_fns names `rm` but {paths.RM_MODEL} has no reward model; "
                                  "run `rlhf stage rm` or remove `rm`")
+    if cfg.algorithm == "grpo" and cfg.grpo.supervision == "process":
+        check_process_inputs(params, sft_dir, rm_dir)
     actor_init = reference = sft_dir
     if params.feedback.round:  # a feedback round continues from the policy it collected comparisons on
         actor_init = paths.start_dir(root, params.feedback.round, "actor")
@@ -72,6 +74,28 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
                                      "run `rlhf stage feedback` first")
         reference = actor_init if params.feedback.reference == "previous" else sft_dir
     return Inputs(sft_dir, rm_dir, needs_critic or RM_SOURCE in cfg.reward_fns, needs_critic, actor_init, reference)
+
+
+def check_process_inputs(params: Params, sft_dir: Path, rm_dir: Path) -> None:
+    """Process supervision reads a process reward model, alone, on the actor's own token ids."""
+    import json
+
+    from rlhf_core.ops.meta import META_FILE
+
+    key = "rlhf.grpo.supervision: process"
+    weights = params.rlhf.reward_fns
+    if set(weights) != {RM_SOURCE} or weights[RM_SOURCE] <= 0:
+        raise TrainingInputError(f"{key} takes its rewards from the process reward model alone: set "
+                                 f"rlhf.reward_fns to {{rm: 1.0}} (not {dict(weights)})")
+    meta = rm_dir / META_FILE
+    objective = json.loads(meta.read_text()).get("objective") if meta.exists() else None
+    if objective != "process":
+        raise TrainingInputError(f"{key} needs a process reward model, but {paths.RM_MODEL} was trained with "
+                                 f"rm.objective: {objective or 'unknown'}; run `rlhf stage rm -S rm.objective=process`")
+    if not same_tokenizer(load_tokenizer(sft_dir, params.model.trust_remote_code),
+                          load_tokenizer(rm_dir, params.model.trust_remote_code)):
+        raise TrainingInputError(f"{paths.RM_MODEL}: its tokenizer differs from the actor's, but {key} reads it on "
+                                 "the actor's token ids; train the PRM from the SFT model (rm.init_from: sft)")
 
 
 def check_critic_tokenizer(sft_dir: Path, rm_dir: Path, trust_remote_code: bool) -> None:

@@ -45,6 +45,8 @@ def buffer_sums(exp: Experience, kl_metric: str) -> dict[str, float]:
              "scored": float(kept.sum()) + info["uniform"],
              "reward": float(seq_reward.sum()), "reward_sq": float((seq_reward ** 2).sum()),
              "kl": float(sampled_kl(exp, kl_metric).sum())}
+    if "empty_step" in info:  # process supervision: responses with an empty step, dropped
+        sums["empty_step"] = float(info["empty_step"])
     if exp.values is not None and exp.returns is not None:
         ret = torch.where(mask, exp.returns, zero)
         diff = torch.where(mask, exp.returns - exp.values, zero)
@@ -71,6 +73,8 @@ def iteration_metrics(sums: dict[str, float], train: dict[str, float], world: in
          "no_eos_share": s["no_eos"] / rows, "empty_dropped": s["empty"], "uniform_dropped": s["uniform"],
          "no_eos": s["no_eos"], "rows": rows,
          **t, "samples_per_s": rows / t["t_step"] if t["t_step"] > 0 else 0.0}
+    if "empty_step" in s:
+        m["empty_step_dropped"] = s["empty_step"]
     if judged:  # the judge (checker) on the same sampled responses the proxy scored
         m["train_accuracy"] = m["judge_score"] = s["correct"] / rows
     if grouped:

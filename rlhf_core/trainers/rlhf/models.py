@@ -110,3 +110,21 @@ def load_critic(params: Params, rm_dir: Path):
         if "." in paths:  # the head is member "."'s (the RM stage writes it first)
             critic.scale_head(1.0 / scale[paths.index(".")])
     return disable_dropout(prepare_for_training(critic, params.compute))
+
+
+def load_process_rewards(params: Params, rm_dir: Path, tokenizer, device: torch.device, batch_size: int):
+    """``grpo.supervision: process``: the PRM in ``models/rm`` (``rm.objective: process``) read after every response
+    token of the actor's own ids, ``batch_size`` rows per pass, under ``torch.inference_mode()``."""
+    from rlhf_core.models.value_head import ValueHeadModel
+    from rlhf_core.trainers.rlhf.experience import ProcessRewards
+    from rlhf_core.trainers.rm_process import delimiter_token
+
+    prm = ValueHeadModel.from_pretrained(rm_dir, require_head=True).to(device).eval()
+
+    @torch.inference_mode()
+    def values(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+        parts = [prm(sequences[i:i + batch_size].to(device), attention_mask[i:i + batch_size].to(device))
+                 .values[:, -response_len:].float().cpu() for i in range(0, len(sequences), batch_size)]
+        return torch.cat(parts).clone()
+
+    return ProcessRewards(values, delimiter_token(tokenizer, params.rm.step_delimiter))
