@@ -233,29 +233,16 @@ def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1) ->
 def bench_trl(root: Path, iterations: int = 2, warmup: int = 1, weights: str = "bf16") -> dict:
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
+    from benchmarks.trl_speed import step_timer
     from rlhf_core.data.tokenizer import load_tokenizer
     from rlhf_core.ops import paths
     from rlhf_core.trainers.common import read_split
 
     _, work = read_workspace(root)
     per_step = work["prompts"] * work["group"]
-
-    class StepTimes(TrainerCallback):
-        marks: list[float] = []
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.marks = [time.perf_counter()]
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == warmup and torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            sync()
-            self.marks.append(time.perf_counter())
 
     steps = warmup + iterations
     texts = read_split(root, "prompts", columns=("prompt",))["prompt"][:steps * work["prompts"]]
@@ -272,11 +259,11 @@ def bench_trl(root: Path, iterations: int = 2, warmup: int = 1, weights: str = "
         generation_kwargs={"min_new_tokens": work["new_tokens"]}, temperature=1.0, top_p=1.0, top_k=0, beta=0.04,
         num_iterations=1, epsilon=0.2, seed=1234, dataloader_num_workers=0, shuffle_dataset=False,
         gradient_checkpointing=False)
-    timer = StepTimes()
+    timer = step_timer(warmup)
     trainer = GRPOTrainer(model=model, reward_funcs=even_words, args=args, train_dataset=data,
                           processing_class=tok, callbacks=[timer])
     trainer.train()
-    gaps = [b - a for a, b in zip(timer.marks[:-1], timer.marks[1:], strict=True)][warmup:]
+    gaps = timer.timed_gaps()
     s = sum(gaps) / len(gaps)
     return {"verb": "trl", "framework": f"trl {trl.__version__}", "weights": weights, "iterations": len(gaps),
             "rows": per_step, "s_per_iteration": s, "samples_per_s": per_step / s, "step_times_s": gaps,

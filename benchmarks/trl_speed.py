@@ -23,11 +23,38 @@ import torch
 from benchmarks.rlhf import bench_params, build_workspace
 
 
+def step_timer(warmup: int):
+    """A ``TrainerCallback`` that marks the end of every optimizer step (the first mark: ``on_train_begin``);
+    ``timed_gaps()`` are the step times after ``warmup`` steps. On CUDA it waits for the device before each mark
+    and resets the peak-memory counter when the timed steps begin."""
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        marks: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks = [time.perf_counter()]
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == warmup and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.marks.append(time.perf_counter())
+
+        def timed_gaps(self) -> list[float]:
+            return [b - a for a, b in zip(self.marks[:-1], self.marks[1:], strict=True)][warmup:]
+
+    return StepTimes()
+
+
 def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = None) -> dict:
     import pandas as pd
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_core.data.tokenizer import load_tokenizer
@@ -40,15 +67,6 @@ def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = N
     cfg = params.rlhf
     group = cfg.grpo.group_size
     per_step = cfg.prompts_per_step * group
-
-    class StepTimes(TrainerCallback):
-        marks: list[float] = []
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.marks = [time.perf_counter()]
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
 
     def exact_answer(completions, answer, **_):
         return [float(check_answer(c, a)) for c, a in zip(completions, answer, strict=True)]
@@ -69,11 +87,11 @@ def bench_trl_grpo(iterations: int = 3, warmup: int = 1, threads: int | None = N
             generation_kwargs={"min_new_tokens": cfg.max_new_tokens}, temperature=cfg.temperature, top_p=1.0,
             top_k=0, beta=cfg.grpo.beta, num_iterations=1, epsilon=cfg.grpo.clip_eps, seed=params.project.seed,
             dataloader_num_workers=0, shuffle_dataset=False)
-        timer = StepTimes()
+        timer = step_timer(warmup)
         trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=data,
                               processing_class=tok, callbacks=[timer])
         trainer.train()
-    gaps = [b - a for a, b in zip(timer.marks[:-1], timer.marks[1:], strict=True)][warmup:]
+    gaps = timer.timed_gaps()
     step_s = sum(gaps) / len(gaps)
     return {"framework": f"trl {trl.__version__}", "iterations": len(gaps),
             "rows_per_iteration": per_step, "samples_per_s": per_step / step_s, "iteration_s": step_s,
