@@ -239,6 +239,28 @@ def test_value_model_save_load_and_scorer(tmp_path):
     assert pr.shape == (1,)
 
 
+def test_a_world_of_one_neither_builds_nor_loads_the_shm_op(tmp_path):
+    """A single process runs no collective between local ranks: DeepSpeed's CPU backend gets no shared-memory op
+    (nothing is built in an empty ``TORCH_EXTENSIONS_DIR``) and the patched name is restored; bare and under a
+    launcher's world of one. (Every engine test here trains in such a world.)"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    code = ("import importlib; T = importlib.import_module('deepspeed.comm.torch'); original = T.build_shm_op; "
+            "from rlhf_core.engine import distributed as D; D.init_distributed(); "
+            "import deepspeed.comm.comm as C; "
+            "print('op', C.cdb.shm_comm_op, 'restored', T.build_shm_op is original, 'world', D.world_size())")
+    launched = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29533"}
+    for extra in ({}, launched):
+        proc = subprocess.run([sys.executable, "-c", code], env=env | extra, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "op None restored True world 1" in proc.stdout, proc.stdout
+        assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
+
+
 def test_the_process_group_is_destroyed_when_the_process_exits():
     """torch warns on NCCL that a group left at exit can leak resources: ``init_distributed`` registers
     ``shutdown``. A check registered before it runs after it (atexit is last in, first out)."""

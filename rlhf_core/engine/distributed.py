@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import os
 import socket
 from collections.abc import Iterator
@@ -59,8 +60,12 @@ def init_distributed() -> None:
         # subprocesses this process starts (e.g. torchrun) do not inherit a stale rendezvous.
         os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it
         dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        load_comm_ops()
-        deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False, verbose=False)
+        with without_shm_op():
+            deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False, verbose=False)
+        return
+    if int(os.environ["WORLD_SIZE"]) == 1:
+        with without_shm_op():
+            deepspeed.init_distributed(dist_backend=backend(), verbose=False)
         return
     load_comm_ops()
     deepspeed.init_distributed(dist_backend=backend(), verbose=False)
@@ -80,6 +85,26 @@ def load_comm_ops() -> None:
         from deepspeed.comm.torch import build_shm_op
 
         build_shm_op()
+
+
+@contextlib.contextmanager
+def without_shm_op() -> Iterator[None]:
+    """Keep DeepSpeed from compiling and loading its CPU shared-memory collectives in a world of one.
+
+    ``deepspeed.comm.torch.TorchBackend.__init__`` calls the module's ``build_shm_op`` whatever the world size;
+    the op serves collectives between local ranks, which a single process never runs, and its first build is a
+    C++ compile of about a minute on a fresh machine. Inside this block that name returns None (what DeepSpeed
+    itself returns where the op is incompatible), so the backend falls back to torch.distributed; it is restored
+    on exit.
+    """
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # ``deepspeed.comm.torch`` is torch itself
+
+    original = ds_torch_comm.build_shm_op
+    ds_torch_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch_comm.build_shm_op = original
 
 
 def rank() -> int:
