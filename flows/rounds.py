@@ -22,6 +22,7 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 
+from flows.pipeline import rlhf_pipeline
 from rlhf_core.config import DEFAULT_PARAMS, load_params
 from rlhf_core.ops import paths
 from rlhf_core.ops.atomic import write_json_atomic, write_text_atomic
@@ -103,8 +104,6 @@ def rlhf_rounds(
 ) -> list[dict]:
     """Run ``rounds`` feedback rounds (after the base pipeline, when it never finished); returns their ledger
     entries. ``overrides`` apply to every round (e.g. ``feedback.label_noise=0.2``)."""
-    from flows.pipeline import rlhf_pipeline
-
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1 (got {rounds})")
     logger = get_run_logger()

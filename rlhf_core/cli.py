@@ -9,10 +9,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 import typer
+import yaml
 from rich.console import Console
 from rich.markup import escape
 
@@ -122,8 +124,6 @@ def params_check(
 
     Example: rlhf params check -p configs/gpu.yaml
     """
-    import yaml
-
     try:
         params = load_params(params_file, set_)
     except ConfigError as err:
@@ -184,8 +184,6 @@ def repro_cmd(
 
     Example: AWS_ENDPOINT_URL=http://minio:9000 rlhf repro sft --remote s3://ml/rlhf
     """
-    import signal
-
     from rlhf_core.ops.dvc_remote import RemoteStateError, repro
     from rlhf_core.ops.dvc_repro import signal_stage
 

@@ -21,6 +21,7 @@ import torch
 from rlhf_core.data.collate import Ragged, left_pad_prompts
 from rlhf_core.engine import distributed as D
 from rlhf_core.passes.generation import GenerationConfig, Rollout, response_logits, rollout
+from rlhf_core.rewards import get_checker
 
 
 @dataclass
@@ -82,8 +83,6 @@ def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=N
     """``accuracy`` (the checker on ``data.answers``; 0 without answers), ``eos_share``, ``response_length``,
     with a ``reward`` the mean ``proxy_reward``, with a ``ref`` the exact ``kl_to_reference``; ``ev`` gives
     ``max_new_tokens`` and ``batch_size``. Reduced over ranks."""
-    from rlhf_core.rewards import get_checker
-
     check_answer = get_checker(ev.checker)
     sums = torch.zeros(6, dtype=torch.float64)  # correct, eos, length, kl, proxy reward, n
     for rows, w, roll in answer_batches(model, tokenizer, data, ev.batch_size, ev.max_new_tokens, temperature,

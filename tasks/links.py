@@ -9,6 +9,7 @@ flow then publishes one markdown artifact with the run ids and the ``mlflow ui``
 
 from __future__ import annotations
 
+import logging
 import os
 
 UI_URL_ENV = "RLHF_MLFLOW_UI_URL"
@@ -60,8 +61,6 @@ def stage_run_ids(experiment_id: str, parent_run_id: str) -> dict[str, str]:
 def publish_links(tracking_uri: str, experiment_id: str, parent_run_id: str, registered: dict[str, dict]) -> None:
     """Prefect link artifacts (HTTP server) or one markdown artifact (embedded store), from inside a flow run.
     A convenience: a failure here (MLflow gone at the very end) is logged, not raised."""
-    import logging
-
     from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
     try:

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
+import rlhf_core
 from rlhf_core.ops.meta import dir_sha256, read_meta
 from rlhf_core.ops.model_card import CARD_FILE
+from rlhf_core.ops.serving import ScorerModel
 from tasks.gates import failing_reasons
 
 DESCRIPTION_LIMIT = 5000  # MLflow's SQL store: model_versions.description is String(5000)
@@ -71,8 +74,6 @@ def alias_version(name: str, alias: str) -> str | None:
 
 def pip_requirements() -> list[str]:
     """Explicit requirements (MLflow's inference probes for torchvision, which has no CPU build here)."""
-    from importlib import metadata
-
     pins = []
     for pkg in ("torch", "transformers", "tokenizers", "safetensors", "accelerate", "mlflow"):
         try:
@@ -119,9 +120,6 @@ def _log_model(kind: str, model_dir: Path, name: str):
         task = "llm/v1/chat" if getattr(components["tokenizer"], "chat_template", None) else "text-generation"
         return mlflow.transformers.log_model(transformers_model=components, task=task, name=kind,
                                              pip_requirements=pip_requirements(), model_card=model_card)
-    import rlhf_core
-    from rlhf_core.ops.serving import ScorerModel
-
     return mlflow.pyfunc.log_model(name=kind, python_model=ScorerModel(), artifacts={"model": str(model_dir)},
                                    pip_requirements=pip_requirements(),
                                    code_paths=[str(Path(rlhf_core.__file__).parent)],

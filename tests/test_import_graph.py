@@ -172,3 +172,54 @@ def test_layers_point_down():
     wrong += [f"{name} -> prefect" for name, path in modules.items()
               if name.startswith("rlhf_core") and "prefect" in _third_party_roots(path)]
     assert not wrong, "imports that point up a layer:\n" + "\n".join(wrong)
+
+
+# Where an import may stay inside a function, and why. First-party modules: only in the two command lines, whose
+# verbs import just their own code (flows.cli must also set Prefect's settings before Prefect is first imported:
+# tests/test_install_split.py). Third-party: packages an extra provides (a stage image lacks the orchestration
+# extra; peft, TRL and plotting are optional) or that only one path of a module needs.
+LAZY_FIRST_PARTY = {"rlhf_core/cli.py", "flows/cli.py"}
+LAZY_THIRD_PARTY = {
+    "prefect": "the orchestration extra", "prefect_kubernetes": "the k8s extra", "kubernetes": "the k8s extra",
+    "mlflow": "the full server is the orchestration extra; tracking is optional (RLHF_TRACKING=off)",
+    "dvc": "the orchestration extra", "peft": "LoRA only", "deepspeed": "imported after its accelerator is set",
+    "matplotlib": "plots only", "transformers": "model paths only (prepare and the CLI do not load a model)",
+    "pyarrow": "parquet paths only", "pandas": "tabular paths only", "datasets": "streamed sources only",
+    "fsspec": "remote sources only", "huggingface_hub": "hub ids only", "safetensors": "checkpoint paths only",
+    "tokenizers": "building a tokenizer only",
+}
+
+
+def function_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) for every import inside a function body of the file."""
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    found += [(node.lineno, alias.name) for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    found.append((node.lineno, "." * node.level + (node.module or "")))
+    return sorted(found)
+
+
+def test_imports_are_at_module_level_unless_a_reason_is_listed():
+    """The graph above has no circle, so no circle forces an import into a function (issue #30): at the top a reader
+    sees what a module uses, and an import error shows when the module loads, not on the first call of one path."""
+    wrong = []
+    for path in _modules().values():
+        rel = str(path.relative_to(REPO))
+        if rel.startswith("benchmarks/"):
+            continue
+        for line, module in function_level_imports(path):
+            root = module.split(".")[0]
+            if root in LAZY_THIRD_PARTY or (rel in LAZY_FIRST_PARTY and root in PACKAGES):
+                continue
+            wrong.append(f"{rel}:{line}: {module}")
+    assert not wrong, "imports inside functions without a listed reason:\n" + "\n".join(wrong)
+
+
+def test_function_level_imports_are_found(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os\n\ndef f():\n    import json\n    from . import sibling\n    from a.b import c\n")
+    assert function_level_imports(src) == [(4, "json"), (5, "."), (6, "a.b")]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import random
 import shutil
 import sys
@@ -94,8 +95,6 @@ def _deepspeed_state_classes() -> list:
 def load_state_file(path: str | Path, map_location: Any = None) -> Any:
     """``torch.load(path, weights_only=True)`` with DeepSpeed's state classes allowed: any other pickled object
     (a planted pickle, a foreign one) is refused naming the file and the object, never executed."""
-    import pickle
-
     with torch.serialization.safe_globals(_deepspeed_state_classes()):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)

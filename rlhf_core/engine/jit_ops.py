@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from torch.utils.cpp_extension import _get_build_directory  # torch's own rule; the public API has none
+
 STALE_AFTER_S = 180.0
 CLOSE_TO_REMOVE_S = 1.0
 GUARD_FILE = ".rlhf-ops.lock"
@@ -37,8 +39,6 @@ GUARD_FILE = ".rlhf-ops.lock"
 
 def extensions_root() -> Path:
     """The directory torch builds JIT ops in (``TORCH_EXTENSIONS_DIR``, else the per-Python/CUDA cache folder)."""
-    from torch.utils.cpp_extension import _get_build_directory  # torch's own rule; the public API has none
-
     return Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent
 
 

@@ -22,6 +22,9 @@ import torch
 
 from rlhf_core.algos import implicit_reward, response_logprob_sums
 from rlhf_core.data.collate import Ragged, TokenizedSequences, encode_sequences
+from rlhf_core.data.tokenizer import load_tokenizer
+from rlhf_core.models.loading import ADAPTER_DIR, save_causal_lm
+from rlhf_core.ops.integrity import verify_model_dir
 
 IMPLICIT_FILE = "implicit_reward.json"
 
@@ -53,8 +56,6 @@ def implicit_scores(forward, adapter_off, input_ids: torch.Tensor, attention_mas
 
 def save_implicit_rm(model, directory: str | Path, beta: float) -> None:
     """The reference's weights, the adapter beside them (``adapter/``) and ``implicit_reward.json``."""
-    from rlhf_core.models.loading import save_causal_lm
-
     save_causal_lm(model, directory, merge_lora=False)
     (Path(directory) / IMPLICIT_FILE).write_text(json.dumps({"beta": beta}) + "\n")
 
@@ -78,10 +79,6 @@ class ImplicitRewardScorer:
         without the adapter is an error naming it."""
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
-
-        from rlhf_core.data.tokenizer import load_tokenizer
-        from rlhf_core.models.loading import ADAPTER_DIR
-        from rlhf_core.ops.integrity import verify_model_dir
 
         path = Path(path)
         beta = read_beta(path)

@@ -12,13 +12,14 @@ Texts are scored as ``text + EOS`` (training rows end with EOS; the score is rea
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from rlhf_core.data.collate import Ragged, TokenizedSequences, concat_rows, encode_prompts, encode_sequences
-from rlhf_core.data.tokenizer import same_tokenizer
+from rlhf_core.data.tokenizer import load_tokenizer, same_tokenizer
 from rlhf_core.models.implicit_reward import ImplicitRewardScorer, is_implicit
 from rlhf_core.models.value_head import ValueHeadModel
 
@@ -44,8 +45,6 @@ class RewardScorer:
         reward model with its own tokenizer (a directory or a Hub id), or the previous value-head layout
         (``reward_format``). Texts are tokenised with the RM's own tokenizer, whatever the actor's; a directory
         without tokenizer files, or that is no reward model, is an error naming it."""
-        from rlhf_core.data.tokenizer import load_tokenizer
-
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         model = ValueHeadModel.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype,
                                                require_head=True)
@@ -176,8 +175,6 @@ class EnsembleScorer:
 
 def read_ensemble_spec(path: str | Path) -> tuple[list[str], list[float], list[float]]:
     """The member paths, centers and scales that ``path / ensemble.json`` lists (an error names the file)."""
-    import json
-
     spec_file = Path(path) / ENSEMBLE_FILE
     try:
         members = json.loads(spec_file.read_text())["members"]

@@ -26,6 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
 from rlhf_core.stages import exit_codes
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 870  # above compute.stop_grace_s (600) plus a checkpoint write
@@ -61,10 +65,6 @@ def exit_code_after_signal(signum: int, stopped_dir: Path, nproc_per_node: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
         args.shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import warnings
 from datetime import UTC, datetime
@@ -31,8 +33,6 @@ def code_lineage(root: str | Path = ".") -> dict[str, str]:
     """Which code ran: the checkout's git sha, else the one baked into the image (``RLHF_GIT_SHA``, a build
     arg), else ``unknown``; the package version; the image the pod runs (``RLHF_IMAGE``, set in every stage
     pod) and its digest when the reference pins one (``repo@sha256:...``; a tag alone is warned about once)."""
-    import os
-
     sha = git_sha(root) or os.environ.get("RLHF_GIT_SHA", "").strip()
     out = {"git_sha": sha if sha and sha != "unknown" else "unknown",
            "version": versions().get("rlhf-ops", "unknown")}
@@ -92,8 +92,6 @@ def write_meta(out_dir: str | Path, meta: dict) -> None:
 def write_meta_only(out_dir: str | Path, meta: dict) -> None:
     """Replace ``out_dir`` with a directory holding only ``rlhf_meta.json``: a DVC output whose model this run
     does not train (GRPO's critic, the judge RM when off), so no stale model of an earlier run survives in it."""
-    import shutil
-
     shutil.rmtree(out_dir, ignore_errors=True)
     write_meta(out_dir, meta)
 

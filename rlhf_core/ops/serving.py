@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import mlflow.pyfunc
 
+from rlhf_core.models.scorer import load_one_scorer
+
 
 class ScorerModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from rlhf_core.models.scorer import load_one_scorer
-
         self.scorer = load_one_scorer(context.artifacts["model"], device="cpu")
 
     def predict(self, context, model_input, params=None) -> list[float]:

@@ -10,9 +10,11 @@ Only rank 0 of a distributed job logs.
 
 from __future__ import annotations
 
+import base64
 import csv
 import importlib.util
 import json
+import logging
 import os
 import sys
 import urllib.error
@@ -21,6 +23,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+
+import yaml
 
 from rlhf_core.config import ConfigError, Params
 from rlhf_core.ops import paths
@@ -103,8 +107,6 @@ def check_credentials(uri: str, timeout_s: float = 60.0) -> None:
     / ``_PASSWORD``, or ``MLFLOW_TRACKING_TOKEN``): a 401/403 is :class:`TrackingRefused` before any training,
     naming the user but never the password. (The server has answered /health already; a password hash check
     on a busy server can take seconds, hence the longer timeout.)"""
-    import base64
-
     user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
     token = os.environ.get("MLFLOW_TRACKING_TOKEN")
     req = urllib.request.Request(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1")
@@ -197,8 +199,6 @@ def dvc_out_hash(out: str, root: str | Path = ".") -> str | None:
     lock = Path(root) / "dvc.lock"
     if not lock.exists():
         return None
-    import yaml
-
     stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
     for stage in stages.values():
         for item in stage.get("outs", []):
@@ -324,8 +324,6 @@ QUIET_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils", "mlflow.pyfun
 def quiet_library_logs() -> None:
     """Raise MLflow's chattiest loggers to WARNING and, when stderr is not a terminal (Prefect, Kubernetes, CI),
     turn off Hugging Face progress bars, which arrive there as raw carriage-return lines."""
-    import logging
-
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     if not sys.stderr.isatty():

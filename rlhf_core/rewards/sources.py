@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.data.tokenizer import same_tokenizer
+from rlhf_core.models import load_scorer
 from rlhf_core.rewards.registry import get_reward_fn
 
 RM_SOURCE = "rm"
@@ -59,6 +60,4 @@ class RewardSources:
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu", batch_size: int = 32):
     """The trained RM's scorer (``score(texts) -> Tensor[B]``, ``batch_size`` rows per forward): the ensemble's
     mean when ``rm.ensemble`` > 1."""
-    from rlhf_core.models import load_scorer
-
     return load_scorer(path, device=device, batch_size=batch_size)

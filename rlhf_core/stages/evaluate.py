@@ -29,19 +29,20 @@ from pathlib import Path
 import torch
 
 from rlhf_core.config import Params
+from rlhf_core.data.collate import encode_prompts
+from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.evaluation import HeldOut, answer_batches, sequence_kl
+from rlhf_core.models import load_causal_lm
 from rlhf_core.ops import paths, tracking
 from rlhf_core.ops.atomic import write_json_atomic
 from rlhf_core.ops.meta import dir_sha256
 from rlhf_core.rewards import get_checker
-from rlhf_core.rewards.sources import RM_SOURCE, RewardSources
+from rlhf_core.rewards.sources import RM_SOURCE, RewardSources, load_reward_model
+from rlhf_core.trainers.common import read_prepared_table
 
 
 def load_policy(path: str | Path, params: Params):
     """A saved policy and its tokenizer, in eval mode (LoRA adapters merged as in training)."""
-    from rlhf_core.data.tokenizer import load_tokenizer
-    from rlhf_core.models import load_causal_lm
-
     trc = params.model.trust_remote_code
     model = load_causal_lm(path, trust_remote_code=trc, attn_implementation=params.compute.attn_implementation)
     return model.eval(), load_tokenizer(path, trc)
@@ -59,8 +60,6 @@ def load_champion(uri: str):
 
 def answer_model(model, tok, prompts: list[str], params: Params) -> list:
     """Every prompt answered once with ``eval.*`` decoding, tokenised with the model's own tokenizer."""
-    from rlhf_core.data.collate import encode_prompts
-
     ev = params.eval
     data = HeldOut(prompts, None, encode_prompts(tok, prompts, params.data.max_prompt_len))
     return [roll for _, _, roll in answer_batches(model, tok, data, ev.batch_size, ev.max_new_tokens, ev.temperature)]
@@ -106,8 +105,6 @@ class Judge:
         elif kind in ("model", "auto") and model_dir is not None:
             if not (model_dir / "config.json").exists():
                 raise ValueError(f"eval.judge_model: {model_dir} holds no reward model (config.json missing)")
-            from rlhf_core.rewards.sources import load_reward_model
-
             self.rm, self.source = load_reward_model(model_dir), f"model:{judge_model}"
 
     def __call__(self, prompts: list[str], texts: list[str]) -> torch.Tensor | None:
@@ -126,8 +123,6 @@ def win_rate(a: torch.Tensor, b: torch.Tensor) -> float:
 def evaluate(params: Params, root: str | Path = ".", log=None) -> dict:
     root = Path(root)
     torch.manual_seed(params.project.seed)
-    from rlhf_core.trainers.common import read_prepared_table
-
     df = read_prepared_table(root, paths.prepared_file("prompts", eval_split=True)).to_pandas()
     if df.empty:
         raise ValueError(f"{paths.prepared_file('prompts', eval_split=True)} is empty: nothing to evaluate")

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from rlhf_core.config import Params, SourceConfig
+from rlhf_core.data.base_negatives import replace_with_base_errors
 from rlhf_core.data.normalize import normalize_rows
 from rlhf_core.data.phases import (
     CANON_COLUMNS,
@@ -147,8 +148,6 @@ def _base_negatives(params: Params, model, tok, prepared: Path) -> dict:
     """The arithmetic pairs' rejected answers from the imported base model's own samples
     (``data.base_negatives`` training pairs, and the same share of the held-out pairs), rewritten into
     ``prepared``'s pair files (the task's data is small); returns the counts."""
-    from rlhf_core.data.base_negatives import replace_with_base_errors
-
     a = params.data.arithmetic
     if model is None:
         raise DataError(f"data.arithmetic.base_negatives: {a.base_negatives} pairs sample the base model, but "

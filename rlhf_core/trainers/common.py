@@ -6,6 +6,8 @@ import csv
 import functools
 import io
 import json
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,9 +17,11 @@ from rlhf_core.config import EpochConfig, OptimConfig, Params
 from rlhf_core.data.readers import DataError
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.checkpoint import CheckpointManager
-from rlhf_core.engine.engine import TrainEngine
+from rlhf_core.engine.engine import TrainEngine, model_init_context
+from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.engine.sampler import StepPlan
+from rlhf_core.models.loading import check_vocab_fits, prepare_for_training
 from rlhf_core.ops import paths
 from rlhf_core.ops.atomic import commit_dir, make_temp_dir, write_json_atomic, write_text_atomic
 from rlhf_core.ops.integrity import seal_model_dir
@@ -125,8 +129,6 @@ def default_max_length(params: Params, value: int | None) -> int:
 
 
 def check_max_length(model, max_length: int, key: str) -> None:
-    from rlhf_core.engine.errors import TrainingInputError
-
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and max_length > limit:
         raise TrainingInputError(f"{key} is {max_length} but the model's max_position_embeddings is {limit}; "
@@ -159,8 +161,6 @@ def save_final(engine: TrainEngine, target: Path, save_fn: Callable, tokenizer, 
             commit_dir(tmp, target)
     finally:
         if D.is_main() and Path(tmp).exists():
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
         D.barrier()
 
@@ -181,9 +181,6 @@ def build_engine(params: Params, section: EpochConfig, key: str, n_rows: int, bu
     """The step plan over ``n_rows`` and a DeepSpeed engine around ``build_model()`` (built under ZeRO-3's init
     context when used), after checking that the tokenizer fits the model's vocab and ``max_length`` (the
     ``key`` named in the error) fits its positions."""
-    from rlhf_core.engine.engine import model_init_context
-    from rlhf_core.models.loading import check_vocab_fits, prepare_for_training
-
     compute = params.compute
     plan = StepPlan(n_rows, section.micro_batch_size, section.grad_accum, D.world_size(), section.epochs,
                     section.max_steps)
@@ -236,8 +233,6 @@ def finish_stage(root: Path, stage: str, engine: TrainEngine, model_dir: Path, s
                  log: LogFn | None, params: Params) -> dict:
     """Save the final model atomically with its model card, then write ``metrics/<stage>.json`` and the curve
     CSV, and log the numeric metrics; ``metrics`` gains ``wall_time_s``."""
-    import time
-
     save_final(engine, model_dir, save_fn, tokenizer, meta,
                card=render_model_card(meta, params, metrics))
     metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.algos import divergence_rm_loss, pairwise_rm_loss
-from rlhf_core.config import Params
+from rlhf_core.config import Params, for_round
 from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.loop import Hooks, LogFn, fit
@@ -36,8 +36,10 @@ from rlhf_core.models.loading import (
     base_model_source,
     load_training_tokenizer,
 )
-from rlhf_core.models.scorer import MEMBERS_DIR
+from rlhf_core.models.scorer import ENSEMBLE_FILE, MEMBERS_DIR, EnsembleScorer
 from rlhf_core.ops import paths
+from rlhf_core.ops.atomic import write_json_atomic
+from rlhf_core.ops.meta import write_meta_only
 from rlhf_core.trainers.common import (
     build_engine,
     checkpoints_for,
@@ -51,6 +53,7 @@ from rlhf_core.trainers.common import (
 )
 from rlhf_core.trainers.rm_objectives import OBJECTIVES, ScoreFn, head_scores
 from rlhf_core.trainers.rm_parallel import fit_all
+from rlhf_core.trainers.rm_rounds import round_training_pairs
 
 STAGE = "rm"
 PAIR_COLUMNS = ("id", "prompt", "chosen", "rejected")
@@ -135,8 +138,6 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     the judge, one after another or side by side (``rm.parallel``; ``hooks``, being in-process callbacks, keep
     them in this process). Returns the proxy RM's metrics (also ``metrics/rm.json``; the judge's are in
     ``metrics/rm_judge.json``)."""
-    from rlhf_core.config import for_round
-
     root, proxy = Path(root), for_round(params)
     jobs = [(proxy, PROXY, "")]
     jobs += [(member_params(proxy, k), member_role(k), f"member{k}.") for k in range(1, params.rm.ensemble)]
@@ -148,8 +149,6 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     if params.rm.ensemble > 1:
         metrics = summarise_ensemble(proxy, root, results[:params.rm.ensemble], log)
     if not params.rm.judge and D.is_main():
-        from rlhf_core.ops.meta import write_meta_only
-
         write_meta_only(root / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
                                                    "reason": "rm.judge is off"})
     return metrics
@@ -167,9 +166,6 @@ def summarise_ensemble(params: Params, root: Path, members: list[dict], log: Log
 
     ``ensemble_accuracy`` is not quite held out: the same pairs set each member's scale, which weighs the
     members in the mean (the centres cancel in a pairwise comparison). The members' own accuracies are."""
-    from rlhf_core.models.scorer import ENSEMBLE_FILE, EnsembleScorer
-    from rlhf_core.ops.atomic import write_json_atomic
-
     metrics = dict(members[0])
     if D.is_main():
         spec = [{"path": str(Path(member_role(k).model_dir).relative_to(paths.RM_MODEL)) if k else ".",
@@ -211,8 +207,6 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
     n_round = params.feedback.round if not role.trains_on_eval_split else 0  # the judge never sees a round's pairs
     fresh = None
     if n_round:  # a feedback round: its new pairs plus a replay of all earlier ones
-        from rlhf_core.trainers.rm_rounds import round_training_pairs
-
         train, fresh, round_files, replay_pool = round_training_pairs(root, params, train)
         files += round_files
         train_file = paths.round_dir(n_round) / "pairs.parquet"

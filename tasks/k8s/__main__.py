@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from rlhf_core.stages import STAGE_NAMES
@@ -11,8 +12,6 @@ from tasks.k8s.render_operators import main_render
 
 
 def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m tasks.k8s",
                                      description="Render or write the Kubernetes manifests of the stages.")
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -28,6 +28,7 @@ from rlhf_core.engine.checkpoint import (
     rng_state,
     set_rng_state,
 )
+from rlhf_core.ops import paths
 
 EMA_FILE = "ema.pt"
 
@@ -70,6 +71,4 @@ class MultiEngineCheckpoint(CheckpointManager):
 
 
 def checkpoint_dir(root: str | Path) -> Path:
-    from rlhf_core.ops import paths
-
     return Path(root) / paths.CHECKPOINTS / "rlhf"

@@ -45,6 +45,7 @@ from rlhf_core.passes.generation import (
     rollout,
 )
 from rlhf_core.passes.values import sequence_values
+from rlhf_core.rewards import get_checker
 
 
 # --------------------------------------------------------------------------- responses
@@ -258,8 +259,6 @@ class ExperienceMaker:
         baselined = cfg.baseline(scores)
         judged = None
         if "answer" in rep_cols:
-            from rlhf_core.rewards import get_checker
-
             check = get_checker(self.cfg.checker)
             judged = [float(check(t, a)) for t, a in zip(roll.texts, rep_cols["answer"], strict=True)]
         correct = sum(judged) if judged is not None else 0.0

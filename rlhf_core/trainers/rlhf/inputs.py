@@ -9,6 +9,7 @@ the reward model scores below ``rlhf.ptx_min_reward``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import compress
@@ -23,6 +24,7 @@ from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.evaluation import HeldOut
 from rlhf_core.ops import paths
+from rlhf_core.ops.meta import META_FILE
 from rlhf_core.rewards.registry import REWARD_FUNCTIONS
 from rlhf_core.rewards.sources import RM_SOURCE
 from rlhf_core.trainers.common import default_max_length, read_split
@@ -78,10 +80,6 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
 
 def check_process_inputs(params: Params, sft_dir: Path, rm_dir: Path) -> None:
     """Process supervision reads a process reward model, alone, on the actor's own token ids."""
-    import json
-
-    from rlhf_core.ops.meta import META_FILE
-
     key = "rlhf.grpo.supervision: process"
     weights = params.rlhf.reward_fns
     if set(weights) != {RM_SOURCE} or weights[RM_SOURCE] <= 0:

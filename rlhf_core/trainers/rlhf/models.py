@@ -15,7 +15,13 @@ import torch
 from rlhf_core.config import Params
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.engine import model_init_context
+from rlhf_core.models.implicit_reward import is_implicit
 from rlhf_core.models.loading import disable_dropout, load_causal_lm, prepare_for_training
+from rlhf_core.models.scorer import ENSEMBLE_FILE, read_ensemble_spec
+from rlhf_core.models.value_head import ValueHeadModel
+from rlhf_core.ops.integrity import verify_model_dir
+from rlhf_core.trainers.rlhf.experience import ProcessRewards
+from rlhf_core.trainers.rm_process import delimiter_token
 
 
 class AdapterDisabled:
@@ -89,15 +95,9 @@ def load_critic(params: Params, rm_dir: Path):
     RM's reward std (``normalize_reward``). An implicit reward (``rm.objective: dpo``) gives the backbone of its
     reference (the adapter off, as saved) and a fresh head, as the RM stage starts a score head from SFT.
     """
-    from rlhf_core.models.implicit_reward import is_implicit
-    from rlhf_core.models.scorer import ENSEMBLE_FILE, read_ensemble_spec
-    from rlhf_core.models.value_head import ValueHeadModel
-
     with model_init_context(params.compute, params.rlhf):
         if is_implicit(rm_dir):  # no value head, and its adapter is a policy's: the reference's backbone, a fresh head
             from transformers import AutoModel
-
-            from rlhf_core.ops.integrity import verify_model_dir
 
             verify_model_dir(Path(rm_dir))
             torch.manual_seed(params.project.seed + 1)
@@ -115,10 +115,6 @@ def load_critic(params: Params, rm_dir: Path):
 def load_process_rewards(params: Params, rm_dir: Path, tokenizer, device: torch.device, batch_size: int):
     """``grpo.supervision: process``: the PRM in ``models/rm`` (``rm.objective: process``) read after every response
     token of the actor's own ids, ``batch_size`` rows per pass, under ``torch.inference_mode()``."""
-    from rlhf_core.models.value_head import ValueHeadModel
-    from rlhf_core.trainers.rlhf.experience import ProcessRewards
-    from rlhf_core.trainers.rm_process import delimiter_token
-
     prm = ValueHeadModel.from_pretrained(rm_dir, require_head=True).to(device).eval()
 
     @torch.inference_mode()
