@@ -95,7 +95,7 @@ def prefect_server(tmp: Path):
 
 
 # what every flow test runs with unless it says otherwise: one reward model (the demo's ensemble would train
-# several in every test; tests/test_pipeline_e2e.py runs a small ensemble through the flow)
+# several in every test; tests/flows/test_pipeline_e2e.py runs a small ensemble through the flow)
 TEST_DEFAULTS = {"rm": {"ensemble": 1}}
 
 

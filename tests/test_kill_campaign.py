@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.test_sft import TINY, prepared  # noqa: F401  (the tiny demo's prepared workspace)
+from tests.rlhf_core.trainers.test_sft import TINY, prepared  # noqa: F401  (the tiny demo's prepared workspace)
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_a_stage_whose_flow_process_is_killed_checkpoints_and_stops(prepared, tm
 
     from rlhf_core.config import apply_overrides
     from tests.conftest import REPO
-    from tests.test_retry_policy import _dvc_workspace
+    from tests.tasks.test_retry_policy import _dvc_workspace
 
     root = tmp_path / "ws"
     root.mkdir()

@@ -1,4 +1,4 @@
-"""Two ZeRO-3 ranks on CPU given unequal rows (run by tests/test_group_packing.py as
+"""Two ZeRO-3 ranks on CPU given unequal rows (run by tests/rlhf_core/passes/test_group_packing.py as
 ``torchrun --standalone --nproc_per_node 2 tests/zero3_ranks.py OUT``).
 
 Every forward of a ZeRO-3 model all-gathers its parameters, so the ranks must make the same passes. Each case

@@ -2,7 +2,7 @@
 
 Each entry maps ``rlhf stage NAME`` to the ``module:function`` taking ``(params, root, log)``: the data and
 evaluation stages live here, the training stages in ``rlhf_core.trainers``;
-``dvc.yaml`` declares the same stages with their deps and outs (``tests/test_dvc_pipeline.py`` checks
+``dvc.yaml`` declares the same stages with their deps and outs (``tests/tasks/test_dvc_pipeline.py`` checks
 the two agree).
 """
 

@@ -5,7 +5,7 @@ one of them keeps ``compute.num_threads`` cores busy and leaves the rest idle; a
 more threads (its matmuls are too small to split), much from running K trainings at once. So, in a world of one
 process on a CPU, up to ``workers`` of them run at once, each in a spawned process that makes exactly the call
 the serial path makes (``fit_reward_model`` with the same params and role): a member's weights do not depend on
-which path trained it (tests/test_rm_parallel.py compares them).
+which path trained it (tests/rlhf_core/trainers/test_rm_parallel.py compares them).
 
 The stage's process stays the one that logs and answers signals:
 

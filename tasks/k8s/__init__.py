@@ -8,7 +8,7 @@
 - ``manifests``: the generated files under ``k8s/`` (``python -m tasks.k8s write-manifests [--check]``);
 - ``submit``: create a Job, follow its logs, wait, explain a failure (the ``kubernetes`` client loads here).
 
-``tests/test_k8s_manifests.py`` checks that the committed files are current and that ``kubectl kustomize
+``tests/tasks/k8s/test_k8s_manifests.py`` checks that the committed files are current and that ``kubectl kustomize
 k8s/overlays/<name>`` yields exactly the objects ``render`` renders. Importing this package needs neither a
 cluster nor Prefect.
 """

@@ -19,7 +19,7 @@ from rlhf_core.stages import exit_codes
 from tests.stage_signals import sigterm_at_step
 from tests.tiny import TINY_DEMO, tiny_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SFT = [*TINY_DEMO, "sft.epochs=40", "sft.max_steps=40", "sft.log_every=1", "sft.save_every=0",
        "eval.max_prompts=2"]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlhf_core.engine.checkpoint import MANIFEST, CorruptCheckpointError, verify_checkpoint
-from tests.test_sft import prepared, tiny_params, ws  # noqa: F401  (the tiny demo's prepared workspace)
+from tests.rlhf_core.trainers.test_sft import prepared, tiny_params, ws  # noqa: F401  (the tiny demo's prepared workspace)
 
 STEPS = ["sft.max_steps=4", "sft.save_every=2", "sft.keep_checkpoints=2", "eval.max_prompts=8"]
 
@@ -165,7 +165,7 @@ DISK_FULL_RUN = """
 import resource, sys
 from rlhf_core.engine.loop import Hooks
 from rlhf_core.trainers.sft import train_sft
-from tests.test_sft import tiny_params
+from tests.rlhf_core.trainers.test_sft import tiny_params
 
 def after_step(step, metrics):
     if step == 2:  # the step-2 checkpoint is written: from now on no file may grow past 64 KiB
@@ -183,7 +183,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_says_so(ws, 
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     reference_ws = tmp_path / "reference"
     shutil.copytree(ws, reference_ws)
     _run(reference_ws)

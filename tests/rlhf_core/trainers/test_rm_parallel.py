@@ -20,9 +20,9 @@ from rlhf_core.engine.errors import NonFiniteLossError
 from rlhf_core.trainers import rm_parallel
 from rlhf_core.trainers.rm import PROXY, fit_reward_model, member_params, member_role, train_rm
 from rlhf_core.trainers.rm_parallel import fit_side_by_side, worker_count
-from tests.test_rm import TINY, tiny_params, with_sft, ws  # noqa: F401  (fixtures)
+from tests.rlhf_core.trainers.test_rm import TINY, tiny_params, with_sft, ws  # noqa: F401  (fixtures)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 OUTPUTS = ("models/rm", "models/rm/members/1", "models/rm/members/2", "models/judge")
 
 

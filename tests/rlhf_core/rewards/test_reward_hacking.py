@@ -19,8 +19,8 @@ import json
 
 import pytest
 
+from tests.flows.test_pipeline_e2e import rlhf_run
 from tests.servers import mlflow_server, project_copy
-from tests.test_pipeline_e2e import rlhf_run
 
 pytestmark = pytest.mark.slow
 

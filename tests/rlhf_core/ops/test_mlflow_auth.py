@@ -18,7 +18,7 @@ from rlhf_core.stages import exit_codes
 from tests.conftest import make_params
 from tests.servers import mlflow_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 ADMIN = {"username": "rlhf-pipeline", "password": "correct-horse-battery"}
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from flows.workspace_lock import LOCK_FILE, WorkspaceBusy, workspace_lock
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOLD = ("import sys, time; from flows.workspace_lock import workspace_lock\n"
         "with workspace_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n")
 

@@ -10,7 +10,7 @@ import torch
 
 from rlhf_core.passes.generation import GenerationConfig, response_logprobs, rollout, uses_static_decode
 from rlhf_core.passes.static_decode import next_token, static_rollout, top_p_filter
-from tests.test_generation import EOS, PAD, _tiny_lm, _Tok
+from tests.rlhf_core.passes.test_generation import EOS, PAD, _tiny_lm, _Tok
 
 PROMPTS = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]]).repeat_interleave(4, dim=0)
 

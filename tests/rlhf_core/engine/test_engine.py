@@ -243,7 +243,7 @@ def test_a_world_of_one_neither_builds_nor_loads_the_shm_op(tmp_path):
     """A single process runs no collective between local ranks: DeepSpeed's CPU backend gets no shared-memory op
     (nothing is built in an empty ``TORCH_EXTENSIONS_DIR``) and the patched name is restored; bare and under a
     launcher's world of one. (Every engine test here trains in such a world.)"""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
            "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -264,7 +264,7 @@ def test_a_world_of_one_neither_builds_nor_loads_the_shm_op(tmp_path):
 def test_the_process_group_is_destroyed_when_the_process_exits():
     """torch warns on NCCL that a group left at exit can leak resources: ``init_distributed`` registers
     ``shutdown``. A check registered before it runs after it (atexit is last in, first out)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     code = ("import atexit, torch.distributed as dist; "

@@ -12,7 +12,7 @@ import pytest
 
 from tests.servers import background, prefect_server, project_copy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 

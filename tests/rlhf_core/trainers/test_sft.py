@@ -16,7 +16,7 @@ import pytest
 from tests.tiny import TINY_DEMO, reseal_prepared
 from tests.tiny import tiny_params as tiny
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 TINY = [*TINY_DEMO, "sft.epochs=4", "eval.max_prompts=48"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from flows.workspace_slot import limit_name
 from tests.servers import prefect_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOLD = ("import json, sys, time; from flows.workspace_slot import workspace_slot\n"
         "with workspace_slot(sys.argv[1]) as name:\n"
         "    t0 = time.time(); time.sleep(4); print(json.dumps({'name': name, 'in': t0, 'out': time.time()}))\n")

@@ -16,7 +16,7 @@ from tasks.k8s.options import StageJobOptions, StageJobSettings, pipeline_dvc_re
 from tasks.k8s.render import render_stage_job
 from tasks.k8s.render_operators import RENDERERS
 from tasks.stages import kubernetes_stage
-from tests.test_k8s_jobs import COMPLETE, RUNNING, FakeCluster, apis, pod
+from tests.tasks.k8s.test_k8s_jobs import COMPLETE, RUNNING, FakeCluster, apis, pod
 
 REMOTE = "s3://ml-artifacts/rlhf"
 
@@ -120,6 +120,6 @@ def test_the_flow_reads_ran_or_skipped_from_the_pod_and_fetches_the_state(tmp_pa
 @pytest.mark.parametrize("opts", [StageJobOptions("sft", dvc_remote=REMOTE),
                                   StageJobOptions("rlhf", gpus=8, dvc_remote=REMOTE, seed_params=False)])
 def test_a_job_under_a_remote_validates_strictly(opts):
-    from tests.test_k8s_manifests import validate_strict
+    from tests.tasks.k8s.test_k8s_manifests import validate_strict
 
     validate_strict(render_stage_job(opts))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2",
         "--warmup", "1", "--vocab", "64", "--threads", "1", "--matmul-n", "256"]
 

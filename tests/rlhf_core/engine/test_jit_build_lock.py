@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlhf_core.engine.jit_ops import clear_stale_build_locks, extensions_root, open_by_a_process, use_one_ninja
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _plant(root: Path, op: str, age_s: float) -> Path:

@@ -244,7 +244,7 @@ def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path
     not, a common head or not, one length bucket or two, a shared prompt or none, a shared prefill or not,
     the experience passes in one slice of rows or three. Both finish, make the same passes, and the actor's
     logits and the critic's values equal each rank's plain forward."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
            str(repo / "tests/zero3_ranks.py"), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}

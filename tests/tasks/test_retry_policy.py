@@ -19,7 +19,7 @@ from tasks.k8s.submit import StageJobFailed, StageJobTimeout
 from tasks.retry_policy import transient
 from tasks.stages import dvc_repro_stage
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ApiException(Exception):  # the decision reads the class name and ``status``, as on kubernetes' own

@@ -27,7 +27,7 @@ from tasks.k8s.options import StageJobOptions
 from tasks.k8s.render import render_stage_job, render_stage_resources
 from tasks.k8s.render_operators import RENDERERS, main_render, render_trainjob
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 k8s_client = pytest.importorskip("kubernetes.client", reason="kubernetes is in the [dev] / [k8s] extras")
 from kubernetes.client.rest import RESTResponse  # noqa: E402
 

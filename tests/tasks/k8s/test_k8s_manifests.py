@@ -29,7 +29,7 @@ from tasks.k8s.options import StageJobOptions
 from tasks.k8s.render import render_stage_job, render_stage_resources
 from tasks.k8s.render_operators import render_jobset, render_pytorchjob, render_trainjob
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 K8S = REPO / "k8s"
 OVERLAYS = ("gpu", "cpu-smoke", "multi-node", "pytorchjob", "trainjob")
 GPU_OVERLAYS = ("gpu", "multi-node", "pytorchjob", "trainjob")

@@ -14,7 +14,7 @@ import yaml
 from flows.local_pipeline import ensure_dvc
 from rlhf_core.ops.dvc_repro import stage_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 

@@ -15,7 +15,7 @@ from rlhf_core.ops.meta import build_meta, write_meta
 from tests.servers import mlflow_server, project_copy
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_actor(path: Path, seed: int) -> Path:

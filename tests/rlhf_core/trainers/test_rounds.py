@@ -14,9 +14,9 @@ import json
 import pytest
 
 from flows.rounds import plan_rounds
+from tests.flows.test_pipeline_e2e import rlhf_run
+from tests.rlhf_core.rewards.test_reward_hacking import TINY
 from tests.servers import mlflow_server, project_copy
-from tests.test_pipeline_e2e import rlhf_run
-from tests.test_reward_hacking import TINY
 
 ROUNDS = {**TINY,
           "sft": {**TINY["sft"], "epochs": 10},  # the flow is what is tested here, not how well SFT learns

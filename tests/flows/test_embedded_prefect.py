@@ -13,7 +13,7 @@ import pytest
 
 from flows.local_pipeline import EPHEMERAL_STARTUP_TIMEOUT_S, embedded_environment
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 FLOW = """
 import time

@@ -5,7 +5,7 @@ import yaml
 
 from rlhf_core.config import ConfigError, Params, apply_overrides, load_params, parse_override
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_repo_params_yaml_is_valid_and_demo():

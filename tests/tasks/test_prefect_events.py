@@ -18,7 +18,7 @@ import pytest
 from tasks.events import GATE_FAILED, GATE_PASSED, gate_event
 from tests.servers import prefect_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 GATE = {"passed": False, "checks": [
     {"name": "judge_gain_vs_reference", "value": -0.12, "threshold": 0.01, "op": ">=", "passed": False,
