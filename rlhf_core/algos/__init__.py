@@ -42,7 +42,13 @@ from rlhf_core.algos.masking import (
     masked_var,
     masked_whiten,
 )
-from rlhf_core.algos.process import process_advantages, step_bce_loss, step_ends
+from rlhf_core.algos.process import (
+    normalised_step_rewards,
+    process_advantages,
+    step_bce_loss,
+    step_ends,
+    step_token_rewards,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -67,12 +73,14 @@ __all__ = [
     "masked_whiten",
     "pairwise_rm_loss",
     "policy_loss",
+    "normalised_step_rewards",
     "process_advantages",
     "reinforce_pp_advantages",
     "response_logprob_sums",
     "rloo_advantages",
     "step_bce_loss",
     "step_ends",
+    "step_token_rewards",
     "token_nll",
     "value_loss",
 ]

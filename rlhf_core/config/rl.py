@@ -34,6 +34,14 @@ class PPOConfig(Section):
                             "and GAE (needs samples_per_prompt >= 2). A pairwise (Bradley-Terry) RM's score is "
                             "defined only up to a per-prompt constant; centring removes it, so advantages carry "
                             "only what the RM can tell apart. (RLOO has its own leave-one-out baseline.)")
+    supervision: Literal["outcome", "process"] = Field(
+        "outcome", description="`outcome`: the score at each response's last token. `process`: a process reward "
+                               "model (`rm.objective: process`, the only reward source) scores every step's end "
+                               "(`rm.step_delimiter`); the step rewards of a prompt's samples are normalised "
+                               "together, as `grpo.supervision: process` does, and each sits on its step's last "
+                               "token beside the per-token KL penalty (`algos.process.step_token_rewards`); GAE "
+                               "over them (needs `advantage_estimator: gae`). Responses with an empty step are "
+                               "dropped, counted as `empty_step_dropped`.")
 
 
 class GRPOConfig(Section):
@@ -158,6 +166,9 @@ class RLHFConfig(OptimConfig):
         if self.algorithm == "ppo" and self.ppo.score_baseline != "none" and self.ppo.samples_per_prompt < 2:
             raise ValueError(f"ppo.score_baseline: {self.ppo.score_baseline} needs ppo.samples_per_prompt >= 2 "
                              f"(got {self.ppo.samples_per_prompt})")
+        if self.algorithm == "ppo" and self.ppo.supervision == "process" and self.ppo.advantage_estimator != "gae":
+            raise ValueError("ppo.supervision: process places the step rewards on their tokens for GAE: it needs "
+                             f"ppo.advantage_estimator: gae (got {self.ppo.advantage_estimator})")
         if self.algorithm == "ppo" and self.ppo.advantage_estimator == "rloo" and self.ppo.samples_per_prompt < 2:
             raise ValueError("ppo.advantage_estimator: rloo needs ppo.samples_per_prompt >= 2 "
                              f"(got {self.ppo.samples_per_prompt})")

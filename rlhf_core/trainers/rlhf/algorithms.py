@@ -7,13 +7,14 @@ and ``c`` the KL coefficient::
     grpo              -       (s_i - mean_g s) / std (grpo.scale)     A_t = b_i                        beta k3, loss
     grpo/process      -       per step: r~ = (r - mean_g R) / std_g R  A_t = sum_{ends >= t} r~         beta k3, loss
     ppo/gae           yes     s_i, or s_i - mean_g s                  GAE(V, r)                        in r (or loss)
+    ppo/gae/process   yes     per step: r~ as grpo/process            GAE(V, r), r~ at the step ends   in r (or loss)
     ppo/rloo          -       s_i - mean_{j != i} s_j                 sum_{k>=t} gamma^(k-t) r_k       in r (or loss)
     ppo/reinforce_pp  -       s_i, or s_i - mean_g s                  whiten(sum_{k>=t} ...)           in r (or loss)
 
-with PPO's token rewards ``r_t = -c KL_t + clip(b_i) [t = last]`` (``kl_in: reward``; no KL term with
-``kl_in: loss``). ``b`` is computed per generation batch on whole groups, before empty responses are
-dropped (``ExperienceMaker``), and kept as ``Experience.baselined``. Adding a variant (Dr. GRPO, a new
-baseline) is one ``Algorithm`` in ``algorithm_for``.
+with PPO's token rewards ``r_t = -c KL_t + clip(b_i) [t = last]`` (``kl_in: reward``; no KL term with ``kl_in:
+loss``), and under process supervision ``r_t = -c KL_t + clip(r~_t) [t a step end]``. ``b`` is computed per
+generation batch on whole groups, before empty responses are dropped (``ExperienceMaker``), and kept as
+``Experience.baselined``. Adding a variant (Dr. GRPO, a new baseline) is one ``Algorithm`` in ``algorithm_for``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rlhf_core.algos import (
     masked_whiten,
     reinforce_pp_advantages,
     rloo_advantages,
+    step_token_rewards,
 )
 from rlhf_core.config import RLHFConfig
 from rlhf_core.trainers.rlhf.experience import Experience
@@ -55,7 +57,7 @@ class Algorithm:
     advantages: Advantages
     loss: ActorLossConfig
     drop_uniform_groups: bool = False  # groups scored all alike (every advantage 0) leave the buffer (GRPO)
-    process: bool = False  # step rewards from a process reward model, baselined per group (grpo/process)
+    process: bool = False  # step rewards from a process reward model, normalised per group (*/process)
 
     @property
     def needs_reference(self) -> bool:
@@ -76,10 +78,11 @@ def algorithm_for(cfg: RLHFConfig) -> Algorithm:
                                               entropy_coef=cfg.entropy_coef, temperature=cfg.temperature),
                          drop_uniform_groups=g.drop_uniform_groups and not process, process=process)
     p = cfg.ppo
+    process = p.supervision == "process"
     centred = partial(group_advantages, group_size=n, scale="none")
     score_baseline = centred if p.score_baseline == "group_mean" else _identity
-    rewards = partial(token_rewards, kl_estimator=cfg.kl_estimator, reward_clip=cfg.reward_clip,
-                      kl_in_reward=p.kl_in == "reward")
+    rewards = partial(process_token_rewards if process else token_rewards, kl_estimator=cfg.kl_estimator,
+                      reward_clip=cfg.reward_clip, kl_in_reward=p.kl_in == "reward")
     baseline, advantages = {
         "gae": (score_baseline, partial(gae_advantages, rewards=rewards, gamma=p.gamma, lam=p.lam,
                                         whiten=cfg.whiten_advantages)),
@@ -87,7 +90,8 @@ def algorithm_for(cfg: RLHFConfig) -> Algorithm:
                  partial(return_advantages, rewards=rewards, gamma=p.gamma, whiten=cfg.whiten_advantages)),
         "reinforce_pp": (score_baseline, partial(reinforce_pp, rewards=rewards, gamma=p.gamma)),
     }[p.advantage_estimator]
-    return Algorithm(f"ppo/{p.advantage_estimator}", critic=p.advantage_estimator == "gae",
+    return Algorithm(f"ppo/{p.advantage_estimator}" + ("/process" if process else ""),
+                     critic=p.advantage_estimator == "gae", process=process,
                      kl_in_reward=p.kl_in == "reward" and cfg.kl_coef > 0, kl_coef=cfg.kl_coef,
                      kl_metric=cfg.kl_estimator, adaptive_kl=cfg.kl_controller == "adaptive",
                      baseline=baseline, advantages=advantages,
@@ -111,6 +115,21 @@ def token_rewards(exp: Experience, kl_coef: float, kl_estimator: str, reward_cli
     logp = exp.old_logp if exp.old_logp is not None else torch.zeros(mask.shape)
     ref = exp.ref_logp if exp.ref_logp is not None else logp
     return kl_penalized_rewards(exp.baselined.float(), logp, ref, mask, coef, reward_clip, kl_estimator)
+
+
+def process_token_rewards(exp: Experience, kl_coef: float, kl_estimator: str, reward_clip: float | None,
+                          kl_in_reward: bool) -> torch.Tensor:
+    """``r_t = -c KL_t + clip(r~_t)``: the group-normalised step rewards the experience maker read from the PRM
+    (``Experience.step_rewards``, 0 off the step ends) in place of the score at the last token."""
+    if exp.step_rewards is None:
+        raise ValueError("ppo/gae/process needs the step rewards the experience maker reads from the PRM")
+    coef = kl_coef if kl_in_reward else 0.0
+    if coef > 0 and (exp.old_logp is None or exp.ref_logp is None):
+        raise ValueError("KL in the reward needs the actor's and the reference's log-probs")
+    logp = exp.old_logp if exp.old_logp is not None else torch.zeros(exp.action_mask.shape)
+    ref = exp.ref_logp if exp.ref_logp is not None else logp
+    return step_token_rewards(exp.step_rewards.float(), logp, ref, exp.action_mask.bool(), coef, reward_clip,
+                              kl_estimator)
 
 
 def grpo_advantages(exp: Experience, kl_coef: float) -> Experience:

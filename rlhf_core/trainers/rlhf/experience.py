@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.algos import kl_estimate
-from rlhf_core.algos.process import process_advantages, step_ends
+from rlhf_core.algos.process import normalised_step_rewards, process_advantages, step_ends
 from rlhf_core.engine import distributed as D
 from rlhf_core.passes.generation import (
     GenerationConfig,
@@ -55,7 +55,8 @@ def empty_response(responses: torch.Tensor, action_mask: torch.Tensor, eos_token
 
 
 # --------------------------------------------------------------------------- experience rows
-_OPTIONAL = ("old_logp", "ref_logp", "values", "rewards", "advantages", "returns", "baselined", "step_advantages")
+_OPTIONAL = ("old_logp", "ref_logp", "values", "rewards", "advantages", "returns", "baselined", "step_advantages",
+             "step_rewards")
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Experience(PromptResponseBatch):
     values: torch.Tensor | None = None
     baselined: torch.Tensor | None = None  # [B]
     step_advantages: torch.Tensor | None = None  # [B, R] process supervision: advantages from the step rewards
+    step_rewards: torch.Tensor | None = None  # [B, R] process supervision: r~ at the step ends, 0 elsewhere
     rewards: torch.Tensor | None = None  # [B, R] token rewards (set by compute_advantages)
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
@@ -182,7 +184,7 @@ class MakerConfig:
     pack_groups: bool = False  # ... with the group's responses packed after it (``group_packing``)
     drop_uniform_groups: bool = False  # drop groups whose scores are all equal (zero advantage on every row)
     checker: str = "exact"  # eval.checker: judges the samples (logged, never the reward)
-    process: ProcessRewards | None = None  # grpo.supervision: process
+    process: ProcessRewards | None = None  # grpo.supervision / ppo.supervision: process
 
 
 @dataclass(frozen=True)
@@ -193,13 +195,16 @@ class ProcessRewards:
     values: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     delimiter_id: int
 
-    def advantages(self, roll, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(advantages [B, R], step rewards at the ends [B, R], rows with an empty step [B])`` on whole groups."""
+    def read(self, roll, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """On whole groups: ``(GRPO's advantages [B, R], the normalised step rewards r~ at the ends [B, R], the raw
+        step rewards at the ends [B, R], rows with an empty step [B])`` (``algos.process``)."""
         mask = roll.action_mask
         ends, empty = step_ends(roll.responses, mask, self.delimiter_id)
         rewards = self.values(roll.sequences, roll.attention_mask, roll.responses.shape[1]).float().cpu()
-        advantages = process_advantages(rewards, ends & ~empty[:, None], mask, group_size)
-        return advantages, torch.where(ends, rewards, torch.zeros(())), empty
+        counted = ends & ~empty[:, None]
+        return (process_advantages(rewards, counted, mask, group_size),
+                normalised_step_rewards(rewards, counted, mask, group_size).float(),
+                torch.where(ends, rewards, torch.zeros(())), empty)
 
 
 def batched(fn, n: int, batch: int, lockstep: bool = False):
@@ -275,9 +280,9 @@ class ExperienceMaker:
         info |= {"uniform_groups": float(all_equal.sum()) / n, "uniform": float(uniform.sum()),
                  "uniform_score": float(scores[uniform].sum()),
                  "uniform_score_sq": float((scores[uniform] ** 2).sum())}
-        step_adv = step_rewards = None
+        step_adv = step_norm = step_rewards = None
         if cfg.process is not None:
-            step_adv, step_rewards, empty_step = cfg.process.advantages(roll, n)
+            step_adv, step_norm, step_rewards, empty_step = cfg.process.read(roll, n)
             empty_step &= ~empty
             info["empty_step"] = float(empty_step.sum())
             empty |= empty_step
@@ -288,7 +293,8 @@ class ExperienceMaker:
             roll.action_mask[0] = 0
         exp = Experience(roll.prompt_ids, roll.prompt_mask, roll.responses, roll.action_mask, scores, group,
                          old_logp=roll.logp, baselined=baselined, rewards=step_rewards,
-                         step_advantages=step_adv).select(keep.nonzero(as_tuple=True)[0], trim=True)
+                         step_advantages=step_adv, step_rewards=step_norm
+                         ).select(keep.nonzero(as_tuple=True)[0], trim=True)
         exp.info = info
         self._forward_passes(exp)
         self.actor.train(was_training)

@@ -66,7 +66,8 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
     if RM_SOURCE in cfg.reward_fns and not (rm_dir / "config.json").exists():
         raise TrainingInputError(f"rlhf.reward_fns names `rm` but {paths.RM_MODEL} has no reward model; "
                                  "run `rlhf stage rm` or remove `rm`")
-    if cfg.algorithm == "grpo" and cfg.grpo.supervision == "process":
+    supervision = cfg.grpo.supervision if cfg.algorithm == "grpo" else cfg.ppo.supervision
+    if supervision == "process":
         check_process_inputs(params, sft_dir, rm_dir)
     actor_init = reference = sft_dir
     if params.feedback.round:  # a feedback round continues from the policy it collected comparisons on
@@ -80,7 +81,7 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
 
 def check_process_inputs(params: Params, sft_dir: Path, rm_dir: Path) -> None:
     """Process supervision reads a process reward model, alone, on the actor's own token ids."""
-    key = "rlhf.grpo.supervision: process"
+    key = f"rlhf.{params.rlhf.algorithm}.supervision: process"
     weights = params.rlhf.reward_fns
     if set(weights) != {RM_SOURCE} or weights[RM_SOURCE] <= 0:
         raise TrainingInputError(f"{key} takes its rewards from the process reward model alone: set "

@@ -113,8 +113,9 @@ def load_critic(params: Params, rm_dir: Path):
 
 
 def load_process_rewards(params: Params, rm_dir: Path, tokenizer, device: torch.device, batch_size: int):
-    """``grpo.supervision: process``: the PRM in ``models/rm`` (``rm.objective: process``) read after every response
-    token of the actor's own ids, ``batch_size`` rows per pass, under ``torch.inference_mode()``."""
+    """``grpo.supervision`` or ``ppo.supervision: process``: the PRM in ``models/rm`` (``rm.objective: process``)
+    read after every response token of the actor's own ids, ``batch_size`` rows per pass, under
+    ``torch.inference_mode()``."""
     prm = ValueHeadModel.from_pretrained(rm_dir, require_head=True).to(device).eval()
 
     @torch.inference_mode()

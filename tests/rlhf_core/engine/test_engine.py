@@ -258,7 +258,7 @@ def test_a_world_of_one_neither_builds_nor_loads_the_shm_op(tmp_path):
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "op None restored True world 1" in proc.stdout, proc.stdout
-        assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
+        assert not [p for p in (tmp_path / "ext").rglob("*") if p.is_file()]  # the engine's guard may make a folder
 
 
 def test_the_process_group_is_destroyed_when_the_process_exits():

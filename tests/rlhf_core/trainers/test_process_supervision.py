@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from rlhf_core.algos.process import process_advantages, step_bce_loss, step_ends
+from rlhf_core.algos.process import (
+    normalised_step_rewards,
+    process_advantages,
+    step_bce_loss,
+    step_ends,
+    step_token_rewards,
+)
 
 D = 9  # the delimiter token
 
@@ -49,6 +55,23 @@ def test_process_advantages_by_hand():
     ends = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 1]])
     adv = process_advantages(rewards, ends, torch.ones(2, 4), group_size=2, eps=0.0)
     torch.testing.assert_close(adv, torch.tensor([[-1.0, -1.0, -1.5, -1.5], [1.0, 1.0, 1.0, 0.5]]))
+
+
+def test_ppo_step_token_rewards_by_hand():
+    """The same group: r~ = {0.5, -1.5 | 0.5, 0.5} at the step ends. With k1 = logp - ref = 0.5 on row 0 and -1 on
+    row 1 and c = 0.1, every valid token gets -c k1 (-0.05 / +0.1) and each step end adds its r~ (clipped to 1)."""
+    rewards = torch.tensor([[7.0, 1.0, 7.0, 0.0], [7.0, 7.0, 1.0, 1.0]])
+    ends = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 1]])
+    normalised = normalised_step_rewards(rewards, ends, torch.ones(2, 4), group_size=2, eps=0.0)
+    torch.testing.assert_close(normalised, torch.tensor([[0.0, 0.5, 0.0, -1.5], [0.0, 0.0, 0.5, 0.5]],
+                                                        dtype=torch.float64))
+    logp = torch.tensor([[-1.0] * 4, [-2.0] * 4])
+    ref = torch.tensor([[-1.5] * 4, [-1.0] * 4])
+    r = step_token_rewards(normalised.float(), logp, ref, torch.ones(2, 4), kl_coef=0.1)
+    torch.testing.assert_close(r, torch.tensor([[-0.05, 0.45, -0.05, -1.55], [0.1, 0.1, 0.6, 0.6]]))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    clipped = step_token_rewards(normalised.float(), logp, ref, mask, kl_coef=0.1, clip=1.0)
+    torch.testing.assert_close(clipped, torch.tensor([[-0.05, 0.45, -0.05, -1.05], [0.1, 0.1, 0.6, 0.0]]))
 
 
 def test_process_advantages_groups_masks_and_a_lone_step():
@@ -262,17 +285,10 @@ def test_grpo_with_process_supervision_credits_each_token_with_its_steps_rewards
 
     tr = RLHFTrainer(_prm_params(*RL_PROCESS), with_prm, evaluate=False, checkpoints=False).setup()
     assert tr.bundle.algorithm.name == "grpo/process" and tr.maker.cfg.process is not None
-    captured = {}
-    advantages = tr.maker.cfg.process.advantages
-
-    def spy(roll, group_size):
-        captured["roll"], captured["out"] = roll, advantages(roll, group_size)
-        return captured["out"]
-
-    object.__setattr__(tr.maker.cfg.process, "advantages", spy)
+    captured = _spy_on_the_prm(tr)
     torch.manual_seed(0)
     exp = tr.collect(0)
-    roll, (adv, step_rewards, empty) = captured["roll"], captured["out"]
+    roll, (adv, _, step_rewards, empty) = captured["roll"], captured["out"]
     values = tr.maker.cfg.process.values(roll.sequences, roll.attention_mask, roll.responses.shape[1])
     ends, empty_again = step_ends(roll.responses, roll.action_mask, tr.maker.cfg.process.delimiter_id)
     assert torch.equal(empty, empty_again) and ends.sum() > len(roll.responses)  # several steps per row
@@ -287,6 +303,58 @@ def test_grpo_with_process_supervision_credits_each_token_with_its_steps_rewards
     metrics = tr.step()
     assert all(v == v for v in metrics.values() if isinstance(v, float)), metrics
     assert "empty_step_dropped" in metrics
+
+
+def _spy_on_the_prm(tr) -> dict:
+    """Record the rollout the experience maker reads the PRM on and what it read."""
+    captured, read = {}, tr.maker.cfg.process.read
+
+    def spy(roll, group_size):
+        captured["roll"], captured["out"] = roll, read(roll, group_size)
+        return captured["out"]
+
+    object.__setattr__(tr.maker.cfg.process, "read", spy)
+    return captured
+
+
+def test_ppo_with_process_supervision_puts_each_steps_reward_on_its_last_token(with_prm):
+    """One iteration of ``ppo.supervision: process``: the critic starts from the PRM; the buffer's step rewards
+    are the PRM's values at the step ends normalised over each whole group; the token rewards GAE reads are
+    ``step_token_rewards`` of them and the KL penalty; the update runs and stays finite."""
+    from rlhf_core.trainers.rlhf.algorithms import compute_advantages
+    from rlhf_core.trainers.rlhf.experience import empty_response
+    from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
+
+    ppo = [o for o in RL_PROCESS if not o.startswith(("rlhf.algorithm", "rlhf.grpo"))]
+    params = _prm_params(*ppo, "rlhf.algorithm=ppo", "rlhf.ppo.supervision=process", "rlhf.ppo.samples_per_prompt=4",
+                         "rlhf.kl_coef=0.1")
+    tr = RLHFTrainer(params, with_prm, evaluate=False, checkpoints=False).setup()
+    assert tr.bundle.algorithm.name == "ppo/gae/process" and tr.bundle.algorithm.critic
+    captured = _spy_on_the_prm(tr)
+    torch.manual_seed(0)
+    exp = tr.collect(0)
+    roll, (_, normalised, _, empty) = captured["roll"], captured["out"]
+    values = tr.maker.cfg.process.values(roll.sequences, roll.attention_mask, roll.responses.shape[1])
+    ends, _ = step_ends(roll.responses, roll.action_mask, tr.maker.cfg.process.delimiter_id)
+    torch.testing.assert_close(normalised, normalised_step_rewards(values, ends & ~empty[:, None], roll.action_mask,
+                                                                   4).float())
+    kept = ~(empty | empty_response(roll.responses, roll.action_mask, tr.bundle.tokenizer.eos_token_id))
+    torch.testing.assert_close(exp.step_rewards, normalised[kept][:, :exp.response_len])
+    exp = compute_advantages(exp, tr.bundle.algorithm, tr.bundle.kl_ctl.value)
+    expected = step_token_rewards(exp.step_rewards, exp.old_logp, exp.ref_logp, exp.action_mask, 0.1,
+                                  params.rlhf.reward_clip, params.rlhf.kl_estimator)
+    torch.testing.assert_close(exp.rewards, expected)
+    assert exp.advantages.abs().sum() > 0
+    metrics = tr.step()
+    assert all(v == v for v in metrics.values() if isinstance(v, float)), metrics
+
+
+def test_ppo_process_supervision_needs_gae(tmp_path):
+    from rlhf_core.config import ConfigError, load_params
+
+    with pytest.raises(ConfigError, match="ppo.supervision: process .* needs ppo.advantage_estimator: gae"):
+        load_params(tmp_path / "params.yaml", ["rlhf.algorithm=ppo", "rlhf.ppo.supervision=process",
+                                                "rlhf.ppo.advantage_estimator=rloo"])
 
 
 def test_process_supervision_refuses_other_rewards_and_an_outcome_rm(with_prm, tmp_path):
