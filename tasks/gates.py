@@ -61,6 +61,15 @@ def judge_check(report: dict, proxy_gain: float, min_gain: float) -> GateCheck:
     return GateCheck("judge_gain_vs_reference", judge, min_gain, ">=", passed, note)
 
 
+def step_check(report: dict, min_gain: float) -> GateCheck:
+    """The step judge (process supervision): held-out step accuracy must not fall below the reference's by more
+    than ``-min_gain``; passes with a note where the task labels no steps."""
+    gain = report.get("step_accuracy_gain_vs_reference")
+    if gain is None:
+        return GateCheck("step_accuracy_gain_vs_reference", None, min_gain, ">=", True, "the task labels no steps")
+    return GateCheck("step_accuracy_gain_vs_reference", gain, min_gain, ">=", gain >= min_gain, "judge: step labels")
+
+
 def decide(report: dict, gates: GatesConfig) -> GateResult:
     """Apply every gate to an eval report (see ``docs/operations.md`` for the report schema)."""
     cand, ref = report["candidate"], report["reference"]
@@ -80,6 +89,7 @@ def decide(report: dict, gates: GatesConfig) -> GateResult:
                                 win >= gates.min_win_rate_vs_champion))
     kl = cand["kl_to_reference"]
     checks.append(GateCheck("kl_to_reference", kl, gates.max_kl, "<=", kl <= gates.max_kl))
+    checks.append(step_check(report, gates.min_step_accuracy_gain))
     acc = cand.get("accuracy")
     if acc is None:
         checks.append(GateCheck("accuracy", None, gates.min_accuracy, ">=", True, "task has no checker"))
@@ -100,7 +110,8 @@ def _fmt(x) -> str:
 
 def render_report(report: dict, result: GateResult, plots: dict[str, str] | None = None) -> str:
     """The markdown gate report: candidate vs reference vs champion, then pass/fail per gate."""
-    rows = ["reward_mean", "judge_mean", "accuracy", "kl_to_reference", "response_length", "eos_share"]
+    rows = ["reward_mean", "judge_mean", "accuracy", "step_accuracy", "kl_to_reference", "response_length",
+            "eos_share"]
     champ = report.get("champion") or {}
     lines = [f"# Gate report: {'PASSED' if result.passed else 'FAILED'}", "",
              f"Candidate `{report.get('candidate_label', 'candidate')}` on {report.get('n_prompts', '?')} held-out "

@@ -41,3 +41,7 @@ class GatesConfig(Section):
     min_win_rate_vs_champion: float = Field(0.5, ge=0.0, le=1.0)
     max_kl: float = Field(5.0, gt=0.0)
     min_accuracy: float = Field(0.0, ge=0.0, le=1.0)
+    min_step_accuracy_gain: float = Field(
+        0.0, description="Where the task labels steps (`data.source: multistep`): the candidate's held-out step "
+                         "accuracy (the share of solution steps right) minus the reference's. A process reward "
+                         "that is hacked can raise the proxy and even the final answers while the steps go wrong.")

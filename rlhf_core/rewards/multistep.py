@@ -82,6 +82,13 @@ def check_steps(completion: str, problem: Problem) -> bool:
     return bool(labels) and all(labels) and len(labels) == len(problem.ops)
 
 
+def step_accuracy(completion: str, prompt: str) -> float:
+    """The judge's step score: the share of the solution's steps that ``completion`` gets right, by
+    :func:`step_labels` (so a step after the first wrong one is wrong, and a missing step too)."""
+    problem = problem_from_prompt(prompt)
+    return sum(step_labels(completion, problem)[:len(problem.ops)]) / len(problem.ops)
+
+
 def slipped(problem: Problem, rng: random.Random) -> str:
     """A plausible wrong solution: one step's result off by 1, 2 or 10, and the lines after it carried on from
     the wrong state (each of them right arithmetic, so only a step-level check finds the slip)."""

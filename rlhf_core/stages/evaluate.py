@@ -10,7 +10,8 @@ Every model answers the same held-out prompts (``eval_prompts``) with the same d
   (``eval.judge_model``) trained on pairs the proxy never saw (the gold-vs-proxy setup of reward
   over-optimisation studies), else none.
 
-Per model: ``reward_mean`` (proxy), ``judge_mean``, ``accuracy`` when prompts carry answers, KL to the
+Per model: ``reward_mean`` (proxy), ``judge_mean``, ``accuracy`` when prompts carry answers (and
+``step_accuracy`` on the multi-step task: ``rewards.multistep.step_accuracy``), KL to the
 reference, response length and the share of responses that ended with EOS. Win rates compare per-prompt
 judge scores (proxy rewards without a judge; a tie counts one half). Writes ``reports/eval.json`` (read by
 the gate), ``reports/eval_answers.json`` (every prompt's answers and scores per model; logged as an MLflow
@@ -37,6 +38,7 @@ from rlhf_core.ops import paths, tracking
 from rlhf_core.ops.atomic import write_json_atomic
 from rlhf_core.ops.meta import dir_sha256
 from rlhf_core.rewards import get_checker
+from rlhf_core.rewards.multistep import step_accuracy
 from rlhf_core.rewards.sources import RM_SOURCE, RewardSources, load_reward_model
 from rlhf_core.trainers.common import read_prepared_table
 
@@ -160,6 +162,8 @@ def evaluate(params: Params, root: str | Path = ".", log=None) -> dict:
         else:
             kl = torch.full((len(prompts),), float("nan"))
         results[name] = summarise(rollouts, rewards[name], kl, answers, judged[name], params.eval.checker)
+        if params.data.source == "multistep":  # the judge also reads every step (process supervision)
+            results[name]["step_accuracy"] = sum(map(step_accuracy, texts, prompts)) / len(texts)
         if log is not None:
             log({f"{name}.{k}": v for k, v in results[name].items() if v is not None}, 0)
 
@@ -173,6 +177,8 @@ def evaluate(params: Params, root: str | Path = ".", log=None) -> dict:
         "win_rate_basis": "judge" if judge.source is not None else "proxy",
         "proxy_gain_vs_reference": cand["reward_mean"] - ref["reward_mean"],
         "judge_gain_vs_reference": (cand["judge_mean"] - ref["judge_mean"]) if judge.source is not None else None,
+        "step_accuracy_gain_vs_reference": cand["step_accuracy"] - ref["step_accuracy"]
+        if "step_accuracy" in cand else None,
         "n_prompts": len(prompts), "reward_source": ",".join(f"{k}:{v:g}" for k, v in weights.items()),
         "judge_source": judge.source,
         "candidate_hash": dir_sha256(actor_dir), "candidate_label": str(actor_dir),
@@ -186,8 +192,9 @@ def evaluate(params: Params, root: str | Path = ".", log=None) -> dict:
     flat |= {"reference_" + k: v for k, v in results["reference"].items() if v is not None}
     flat["win_rate_vs_reference"] = report["win_rate_vs_reference"]
     flat["proxy_gain_vs_reference"] = report["proxy_gain_vs_reference"]
-    if report["judge_gain_vs_reference"] is not None:
-        flat["judge_gain_vs_reference"] = report["judge_gain_vs_reference"]
+    for key in ("judge_gain_vs_reference", "step_accuracy_gain_vs_reference"):
+        if report[key] is not None:
+            flat[key] = report[key]
     if report["win_rate_vs_champion"] is not None:
         flat["win_rate_vs_champion"] = report["win_rate_vs_champion"]
     write_json_atomic(root / paths.METRICS / "evaluate.json", flat)

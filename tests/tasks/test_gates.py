@@ -101,3 +101,19 @@ def test_no_judge_passes_with_a_warning_note():
     checks = by_name(decide(report(judge_gain_vs_reference=None), GATES))
     assert checks["judge_gain_vs_reference"].passed
     assert "reward hacking cannot be detected" in checks["judge_gain_vs_reference"].note
+
+
+def test_the_step_judge_refuses_steps_that_got_worse_and_is_silent_without_steps():
+    """Process supervision's judge: the candidate's held-out step accuracy against the reference's (the
+    multi-step task); a task without step labels passes with a note."""
+    worse = report(step_accuracy_gain_vs_reference=-0.1, candidate={"step_accuracy": 0.4},
+                   reference={"step_accuracy": 0.5})
+    failed = decide(worse, GATES)
+    assert [c.name for c in failed.failing] == ["step_accuracy_gain_vs_reference"]
+    assert failed.failing[0].value == -0.1 and failed.failing[0].threshold == 0.0
+    assert decide(report(step_accuracy_gain_vs_reference=0.0), GATES).passed  # inclusive
+    assert not decide(report(step_accuracy_gain_vs_reference=0.02),
+                      GATES.model_copy(update={"min_step_accuracy_gain": 0.05})).passed
+    silent = by_name(decide(report(), GATES))["step_accuracy_gain_vs_reference"]
+    assert silent.passed and silent.note == "the task labels no steps"
+    assert "| step_accuracy | 0.4 | 0.5 |" in render_report(worse, failed)

@@ -103,6 +103,18 @@ from rlhf_core.rewards.multistep import (  # noqa: E402
 P = Problem(12, (("+", 7), ("-", 5), ("+", 30)))
 
 
+def test_step_accuracy_is_the_share_of_solution_steps_right():
+    from rlhf_core.rewards.multistep import step_accuracy
+
+    prompt = f"Solve {P.expression} one step per line."
+    assert problem_from_prompt(prompt) == P
+    assert step_accuracy("12 + 7 = 19\n19 - 5 = 14\n14 + 30 = 44", prompt) == 1.0
+    assert step_accuracy("12 + 7 = 19\n19 - 5 = 15\n15 + 30 = 45", prompt) == pytest.approx(1 / 3)  # then wrong
+    assert step_accuracy("12 + 7 = 19", prompt) == pytest.approx(1 / 3)  # two steps missing
+    assert step_accuracy("12 + 7 = 19\n19 - 5 = 14\n14 + 30 = 44\n44 + 0 = 44", prompt) == 1.0  # extra: not a step
+    assert step_accuracy("", prompt) == 0.0
+
+
 def test_the_solution_and_its_labels():
     assert P.solution() == ["12 + 7 = 19", "19 - 5 = 14", "14 + 30 = 44"] and P.answer == 44
     right = "12 + 7 = 19\n19 - 5 = 14\n14 + 30 = 44\n"
@@ -347,6 +359,31 @@ def test_ppo_with_process_supervision_puts_each_steps_reward_on_its_last_token(w
     assert exp.advantages.abs().sum() > 0
     metrics = tr.step()
     assert all(v == v for v in metrics.values() if isinstance(v, float)), metrics
+
+
+def test_evaluate_reports_step_accuracy_and_the_gate_reads_it(with_prm, tmp_path):
+    """On the multi-step task the evaluate stage's judge also reads every step: per model the mean
+    ``step_accuracy`` of its greedy held-out answers, and the candidate's gain over the reference, which the gate
+    checks. The SFT model as the candidate: the same answers, gain 0, the step gate passes."""
+    import json
+    import shutil
+
+    from rlhf_core.rewards.multistep import step_accuracy
+    from rlhf_core.stages.evaluate import evaluate
+    from tasks.gates import decide
+
+    for sub in ("data", "models"):
+        shutil.copytree(with_prm / sub, tmp_path / sub)
+    shutil.copytree(tmp_path / "models/sft", tmp_path / "models/actor")
+    params = _prm_params("rlhf.reward_fns={rm: 1.0}")
+    report = evaluate(params, tmp_path)
+    table = json.loads((tmp_path / "reports/eval_answers.json").read_text())
+    expected = sum(map(step_accuracy, table["reference_response"], table["prompt"])) / len(table["prompt"])
+    assert report["reference"]["step_accuracy"] == pytest.approx(expected)
+    assert expected < 1.0 and report["candidate"]["step_accuracy"] == report["reference"]["step_accuracy"]
+    assert report["step_accuracy_gain_vs_reference"] == 0.0
+    check = {c.name: c for c in decide(report, params.gates).checks}["step_accuracy_gain_vs_reference"]
+    assert check.passed and check.value == 0.0
 
 
 def test_ppo_process_supervision_needs_gae(tmp_path):
