@@ -254,7 +254,8 @@ def test_makefile_builds_with_the_images_build_tools(flavor):
     makefile = (REPO / "Makefile").read_text()
     bootstrap = re.search(r"^BOOTSTRAP := (.+)$", makefile, re.M).group(1).split()
     assert dict(p.split("==") for p in bootstrap) == image
-    assert "$(BIN)/pip install -q $(BOOTSTRAP)" in makefile and "-U pip setuptools wheel" not in makefile
+    assert re.search(r"^PIP := \$\(BIN\)/pip install -q", makefile, re.M)
+    assert "$(PIP) $(BOOTSTRAP)" in makefile and "-U pip setuptools wheel" not in makefile
 
 
 def test_makefile_installs_the_cpu_torch_from_the_cpu_index():
