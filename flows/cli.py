@@ -19,6 +19,7 @@ import typer
 from rich.table import Table
 
 from benchmarks.cli import bench_app
+from flows.local_pipeline import EarlyAPI, embedded_environment, ensure_dvc
 from rlhf_core.cli import SET_HELP, app, console, fail
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 from rlhf_core.ops.tracking import importable
@@ -29,14 +30,12 @@ STAGES_HELP = "Stages to run (repeatable); default: every stage in dvc.yaml."
 
 
 def _prepare_environment(params_file: Path):
-    from flows.local_pipeline import embedded_environment, ensure_dvc
-
     try:
         params = load_params(params_file)
     except ConfigError as err:
         fail(str(err))
     embedded_environment(Path("."), params.project.workspace)
-    return params, ensure_dvc
+    return params
 
 
 def print_rounds(done: list[dict]) -> None:
@@ -100,7 +99,7 @@ def run_cmd(
         fail("--rounds runs every stage of each round; it takes no --stage")
     if params_file != DEFAULT_PARAMS and not Path(params_file).is_file():  # no params.yaml: every default
         fail(f"params file {params_file} not found")
-    params, ensure_dvc = _prepare_environment(Path(params_file))
+    params = _prepare_environment(Path(params_file))
     from rlhf_core.ops.tracking import TrackingUnavailable, check_reachable, tracking_uri
 
     try:
@@ -113,9 +112,12 @@ def run_cmd(
 
     try:
         with workspace_lock(params.project.workspace):
+            api = EarlyAPI()  # boots while the workspace is set up
             if backend == "local":
                 ensure_dvc(Path("."), params.project.workspace)
             from flows.pipeline import rlhf_pipeline
+
+            api.join()
 
             if rounds:
                 from flows.rounds import rlhf_rounds
@@ -147,7 +149,7 @@ def register_cmd(
 
     Example: rlhf register --kind actor
     """
-    params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
+    params = _prepare_environment(Path(DEFAULT_PARAMS))
     from flows.pipeline import MODEL_DIRS
     from rlhf_core.ops import tracking
     from tasks.registry import model_lineage, register_model_dir
@@ -178,7 +180,7 @@ def promote_cmd(
 
     Example: rlhf promote 3 --reason "approved after review"
     """
-    params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
+    params = _prepare_environment(Path(DEFAULT_PARAMS))
     from rlhf_core.ops import tracking
     from tasks.registry import promote
 
@@ -197,7 +199,7 @@ def rollback_cmd(
 
     Example: rlhf rollback --reason "regression reported"
     """
-    params, _ = _prepare_environment(Path(DEFAULT_PARAMS))
+    params = _prepare_environment(Path(DEFAULT_PARAMS))
     from rlhf_core.ops import tracking
     from tasks.registry import rollback
 

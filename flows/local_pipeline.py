@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from rlhf_core.ops.dvc_repro import stage_env
@@ -44,3 +45,40 @@ def embedded_environment(root: Path, workspace: str) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+
+
+class EarlyAPI:
+    """The temporary Prefect API server the flow would start on its first call, started now in a thread.
+
+    Its boot (a new ``PREFECT_HOME``'s database migrated, then the app) takes ~25 s on two cores
+    (docs/results/demo.md); started here it overlaps the workspace's set-up instead of following it. It is
+    Prefect's own ``SubprocessASGIServer``, one per process, so the flow's client finds it running and starts no
+    other. Nothing starts when ``PREFECT_API_URL`` names a server or ephemeral mode is off. ``join()`` before the
+    flow: it re-raises the start's error.
+    """
+
+    def __init__(self) -> None:
+        from prefect.server.api.server import SubprocessASGIServer  # after embedded_environment (see above)
+        from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+        self.error: BaseException | None = None
+        self.server = SubprocessASGIServer() if not PREFECT_API_URL.value() and \
+            PREFECT_SERVER_EPHEMERAL_ENABLED.value() else None
+        self._thread = threading.Thread(target=self._start, name="prefect-api-start", daemon=True)
+        if self.server is not None:
+            self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            self.server.start()
+        except Exception as err:  # handed to join()
+            self.error = err
+
+    def join(self) -> str | None:
+        """The server's API URL once it answers (None: none was started here)."""
+        if self.server is None:
+            return None
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.server.api_url

@@ -96,7 +96,8 @@ def prefect_server(tmp: Path):
 
 # what every flow test runs with unless it says otherwise: one reward model (the demo's ensemble would train
 # several in every test; tests/flows/test_pipeline_e2e.py runs a small ensemble through the flow)
-TEST_DEFAULTS = {"rm": {"ensemble": 1}}
+# one thread per training: the test workers share the cores (two threads each on two busy cores spin)
+TEST_DEFAULTS = {"rm": {"ensemble": 1}, "compute": {"num_threads": 1}}
 
 
 @contextmanager

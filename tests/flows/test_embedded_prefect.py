@@ -4,6 +4,7 @@ after Prefect's default 20 s while two cores were busy)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -79,3 +80,50 @@ def test_cold_start_of_the_embedded_prefect_server_under_cpu_load(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "result ok" in proc.stdout
     assert (tmp_path / "ws" / "prefect").is_dir()  # the home the embedded default chose, created cold
+
+
+EARLY = """
+import sys
+from pathlib import Path
+from flows.local_pipeline import EarlyAPI, embedded_environment
+
+embedded_environment(Path({root!r}), "ws")
+api = EarlyAPI()
+try:
+    url = api.join()
+except RuntimeError as err:
+    sys.exit(f"start failed: {{err}}"[:300])
+if url is None:
+    sys.exit("none started")
+from prefect import flow, get_client
+from prefect.server.api.server import SubprocessASGIServer
+
+@flow
+def which_api() -> str:
+    return str(get_client(sync_client=True).api_url)
+
+print("early", url, "flow", which_api(), "servers", len(SubprocessASGIServer._instances))
+"""
+
+
+def _early(root: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    return subprocess.run([sys.executable, "-c", EARLY.format(root=str(root))], cwd=root, capture_output=True,
+                          text=True, timeout=EPHEMERAL_STARTUP_TIMEOUT_S + 60,
+                          env={**clean, "PYTHONPATH": str(REPO), **env})
+
+
+@pytest.mark.slow
+def test_the_api_started_early_is_the_one_the_flow_uses(tmp_path):
+    """`rlhf run` boots Prefect's temporary server while the workspace is set up: the flow's client talks to
+    that server and no second one starts; a server named by PREFECT_API_URL starts nothing; a start that fails
+    is raised at join()."""
+    ok = _early(tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    early, flow_api, servers = re.search(r"early (\S+) flow (\S+) servers (\d+)", ok.stdout).groups()
+    assert early.startswith("http://127.0.0.1:") and flow_api.rstrip("/") == early and servers == "1"
+    named = _early(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api")
+    assert named.returncode == 1 and "none started" in named.stderr
+    (tmp_path / "cold").mkdir()
+    too_short = _early(tmp_path / "cold", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
+    assert too_short.returncode == 1 and "start failed: Timed out" in too_short.stderr, too_short.stderr[-2000:]

@@ -33,6 +33,7 @@ def dvc_repo(tmp_path):
     shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["data"]["demo"]["n_rows"] = 300
+    params["compute"]["num_threads"] = 1  # the test workers share the cores
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     _run(["git", "init", "-q"], root)
     ensure_dvc(root, ".rlhf")
