@@ -15,6 +15,7 @@ Conventions
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -156,6 +157,13 @@ class TokenizedSequences:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @functools.cached_property
+    def split(self) -> tuple[Ragged, Ragged]:
+        """``(prompt rows, response rows)``: each row's first ``prompt_lens`` tokens, and the rest."""
+        rows = self.tokens
+        return (Ragged.from_lengths(rows.flat[~self.response_mask], self.prompt_lens),
+                Ragged.from_lengths(rows.flat[self.response_mask], rows.lengths - self.prompt_lens))
+
 
 def encode_sequences(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int,
                      source: str = "<data>", key: str = "max_length",
@@ -258,7 +266,23 @@ def collate_pairs(data: PairData, idx: torch.Tensor, pad_id: int) -> dict[str, t
     cr, _ = data.chosen.tokens.like(data.chosen.response_mask).pad(idx, pad_value=False, length=T)
     rr, _ = data.rejected.tokens.like(data.rejected.response_mask).pad(idx, pad_value=False, length=T)
     return {"input_ids": torch.cat([c, r]), "attention_mask": torch.cat([cm, rm]).long(),
-            "response_mask": torch.cat([cr, rr])}
+            "response_mask": torch.cat([cr, rr]), **shared_prompt_layout(data, idx, pad_id)}
+
+
+def shared_prompt_layout(data: PairData, idx: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """The same pairs with each prompt once: ``prefix_ids`` ``[B, P]`` left-padded, and the responses (EOS
+    included; chosen rows then rejected, as ``collate_pairs``) ``suffix_ids`` ``[2B, S]`` right-padded, with
+    their masks. Empty (score the full rows) when a prompt is empty or a pair's two prompts differ."""
+    (chosen_prompts, chosen), (rejected_prompts, rejected) = data.chosen.split, data.rejected.split
+    prefix, prefix_mask = chosen_prompts.pad(idx, pad_value=pad_id, side="left")
+    other, _ = rejected_prompts.pad(idx, pad_value=pad_id, side="left")
+    if not bool(prefix_mask.any(dim=1).all()) or not torch.equal(prefix, other):
+        return {}
+    S = int(torch.maximum(chosen.lengths[idx], rejected.lengths[idx]).max())
+    c, cm = chosen.pad(idx, pad_value=pad_id, length=S)
+    r, rm = rejected.pad(idx, pad_value=pad_id, length=S)
+    return {"prefix_ids": prefix, "prefix_mask": prefix_mask.long(), "suffix_ids": torch.cat([c, r]),
+            "suffix_mask": torch.cat([cm, rm]).long()}
 
 
 def keep_last_tokens(rows: Ragged, limit: int, keep_first: int | None = None) -> Ragged:

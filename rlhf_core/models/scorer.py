@@ -22,11 +22,7 @@ from rlhf_core.data.collate import Ragged, TokenizedSequences, concat_rows, enco
 from rlhf_core.data.tokenizer import load_tokenizer, same_tokenizer
 from rlhf_core.models.implicit_reward import ImplicitRewardScorer, is_implicit
 from rlhf_core.models.value_head import ValueHeadModel
-
-# Scoring with shared prompts runs two forwards (prompts, then responses on their cache); it is used when it
-# computes at most this share of the plain forward's (padded) positions (how it was set, with the measurements
-# of `python -m benchmarks.shared_prefix`: docs/results/benchmarks-gpu-passes.md).
-SHARED_PREFIX_MAX_COST = 0.75
+from rlhf_core.passes.values import worth_sharing
 
 
 class RewardScorer:
@@ -80,7 +76,7 @@ class RewardScorer:
 
         Rows of one batch (``batch_size`` consecutive rows) that carry the same prompt, such as the G samples of
         a GRPO group, compute it once (:meth:`ValueHeadModel.shared_prefix_scores`) where that skips at least a
-        quarter of the positions (``SHARED_PREFIX_MAX_COST``): the same scores up to float rounding.
+        quarter of the positions (``passes.values.worth_sharing``): the same scores up to float rounding.
         """
         return self.score_encoded(self.encode(prompts, responses))
 
@@ -91,9 +87,8 @@ class RewardScorer:
 
     def score_encoded(self, seqs: TokenizedSequences) -> torch.Tensor:
         """Scores of rows from :meth:`encode` (``score_responses`` without the tokenisation)."""
-        rows, is_response = seqs.tokens, seqs.response_mask
-        prompt_rows = Ragged.from_lengths(rows.flat[~is_response], seqs.prompt_lens)
-        response_rows = Ragged.from_lengths(rows.flat[is_response], rows.lengths - seqs.prompt_lens)
+        rows = seqs.tokens
+        prompt_rows, response_rows = seqs.split
         pad = self.tokenizer.pad_token_id
         out = []
         for start in range(0, len(rows), self.batch_size):
@@ -101,9 +96,8 @@ class RewardScorer:
             prefix, prefix_mask = prompt_rows.pad(idx, pad_value=pad, side="left")
             unique, owner = torch.unique(torch.where(prefix_mask, prefix, -1), dim=0, return_inverse=True)
             suffix, suffix_mask = response_rows.pad(idx, pad_value=pad, side="right")
-            shared_cost = len(unique) * prefix.shape[1] + len(idx) * suffix.shape[1]
             scores = None
-            if shared_cost <= SHARED_PREFIX_MAX_COST * len(idx) * (prefix.shape[1] + suffix.shape[1]) and bool(
+            if worth_sharing(len(unique), prefix.shape[1], len(idx), suffix.shape[1]) and bool(
                     prefix_mask.any(dim=1).all()):
                 first = torch.full((len(unique),), len(idx)).scatter_reduce(0, owner, torch.arange(len(idx)), "amin")
                 with torch.no_grad():

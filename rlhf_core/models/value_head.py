@@ -21,8 +21,8 @@ from torch import nn
 from rlhf_core.algos import gather_last
 from rlhf_core.engine.distributed import full_param
 from rlhf_core.models.reward_format import load_value_model, save_seq_cls
-from rlhf_core.passes.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
 from rlhf_core.passes.prefix_cache import position_ids as positions_from_mask
+from rlhf_core.passes.values import shared_prefix_scores
 
 
 @dataclass
@@ -84,28 +84,9 @@ class ValueHeadModel(nn.Module):
 
     def shared_prefix_scores(self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, owner: torch.Tensor,
                              suffix_ids: torch.Tensor, suffix_mask: torch.Tensor) -> torch.Tensor | None:
-        """Scores ``[B]`` of the rows ``cat(prefix_ids[owner[i]], suffix_ids[i])`` with each prefix computed once.
-
-        ``prefix_ids`` ``[U, P]`` are left-padded (every prefix has at least one token), ``suffix_ids`` ``[B, S]``
-        right-padded (every suffix has at least one token, its last one is scored). The prefixes go through the
-        backbone once (the head they all open with once for all: ``prefix_cache.prefix_cache``); per bucket of
-        suffix lengths (``prefix_cache.length_buckets``) their KV cache is indexed out to the bucket's rows and
-        the suffixes, cut to the bucket's width, attend to it with the positions and attention mask of the full
-        rows, so the scores are those of ``forward`` over the full rows, up to float rounding, for at most
-        ``U x P + B x S`` positions instead of ``B x (P + S)``. None when the backbone's cache cannot be shared
-        (``prefix_cache.supports_prefix_cache``: a sliding window, a convolutional or recurrent layer) or returns
-        no KV cache that can be indexed (a remote-code model): score the full rows instead.
-        """
-        if not supports_prefix_cache(self):
-            return None
-        def cache_forward(ids, mask, pos, cache):
-            return self.forward(ids, mask, pos, past_key_values=cache, use_cache=True).past_key_values
-
-        def suffix_scores(ids, mask, cache):
-            return self.forward(ids, mask, past_key_values=cache, use_cache=True).scores
-
-        return on_shared_prefixes(cache_forward, suffix_scores, prefix_ids, prefix_mask.long(), owner, suffix_ids,
-                                  suffix_mask.long(), response_lengths(suffix_mask))
+        """Scores ``[B]`` of the rows ``cat(prefix_ids[owner[i]], suffix_ids[i])`` with each prefix computed once
+        (``passes.values.shared_prefix_scores``); None when the backbone's cache cannot be shared."""
+        return shared_prefix_scores(self, prefix_ids, prefix_mask, owner, suffix_ids, suffix_mask)
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path, pad_token_id: int | None = None) -> None:

@@ -22,17 +22,33 @@ import torch
 
 from rlhf_core.config import Params, RMConfig
 from rlhf_core.data.collate import PairData
+from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import TrainingInputError
 from rlhf_core.models.implicit_reward import implicit_scores, save_implicit_rm
 from rlhf_core.models.loading import build_causal_lm, build_value_model, load_causal_lm, save_value_model
 from rlhf_core.ops import paths
+from rlhf_core.passes.values import shared_prefix_scores, worth_sharing
 from rlhf_core.trainers import rm_process
 
 ScoreFn = Callable[[torch.nn.Module, dict, torch.device], torch.Tensor]  # (model or engine, batch, device) -> [2B]
 
 
 def head_scores(model, batch: dict, device) -> torch.Tensor:
-    """The value at each row's last token ``[2B]``."""
+    """The value at each row's last token ``[2B]``. Each pair's prompt goes through once, its two responses on
+    its KV cache (``passes.values.shared_prefix_scores`` on ``collate.shared_prompt_layout``), where that skips
+    a quarter of the positions (``worth_sharing``: responses no longer than their prompts) and the model can
+    share its cache: the same scores and gradients up to float rounding. Under ZeRO-3 over several ranks every
+    rank takes the same path."""
+    shared = "prefix_ids" in batch and worth_sharing(*batch["prefix_ids"].shape, *batch["suffix_ids"].shape)
+    if D.forwards_in_lockstep(model):
+        (shared,) = D.all_agree(shared)
+    if shared:
+        n = len(batch["prefix_ids"])
+        scores = shared_prefix_scores(model, batch["prefix_ids"].to(device), batch["prefix_mask"].to(device),
+                                      torch.arange(n, device=device).repeat(2), batch["suffix_ids"].to(device),
+                                      batch["suffix_mask"].to(device))
+        if scores is not None:
+            return scores
     return model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores
 
 

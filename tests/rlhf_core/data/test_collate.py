@@ -105,6 +105,16 @@ def test_pairs_are_concatenated_in_one_batch_and_prompts_left_padded():
     assert batch["input_ids"].tolist() == [[10, 11, 20, EOS, 0], [12, 21, 22, EOS, 0],
                                            [10, 11, 30, 31, EOS], [12, EOS, 0, 0, 0]]
     assert batch["attention_mask"].sum(-1).tolist() == [4, 4, 5, 2]
+    # the same pairs with each prompt once (the RM scores them so): prompts left-padded, responses right-padded
+    assert batch["prefix_ids"].tolist() == [[10, 11], [0, 12]] and batch["prefix_mask"].tolist() == [[1, 1], [0, 1]]
+    assert batch["suffix_ids"].tolist() == [[20, EOS, 0], [21, 22, EOS], [30, 31, EOS], [EOS, 0, 0]]
+    assert batch["suffix_mask"].sum(-1).tolist() == [2, 3, 3, 1]
+    # a pair whose prompts differ, or an empty prompt: no shared layout, the full rows only
+    apart = seqs([[10, 11], [13]], [[20, EOS], [21, EOS]])
+    assert "prefix_ids" not in collate_pairs(PairData(c, apart), torch.tensor([0, 1]), PAD)
+    empty = seqs([[], [12]], [[20, EOS], [21, EOS]])
+    assert "prefix_ids" not in collate_pairs(PairData(empty, empty), torch.tensor([0, 1]), PAD)
+    assert "prefix_ids" in collate_pairs(PairData(empty, empty), torch.tensor([1]), PAD)
     prompts = Ragged.from_lists([[5, 6, 7], [8]])
     gen = left_pad_prompts(prompts, torch.tensor([0, 1]), PAD)
     assert gen["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]

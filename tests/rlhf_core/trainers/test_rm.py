@@ -283,6 +283,60 @@ def test_rows_sharing_a_prompt_score_as_one_forward_over_the_full_rows():
     assert len(positions) == 1
 
 
+def test_rm_training_scores_each_pair_prompt_once_with_the_full_rows_scores_and_gradients():
+    """The RM's pairwise batches (training and held-out evaluation): each pair's prompt goes through once and
+    its two responses attend to its cache; scores and gradients equal one forward over the chosen and rejected
+    full rows (float64, the rotary tables float32). Responses longer than their prompts (sharing skips less than a quarter): one plain
+    pass; a model whose cache cannot be shared (a sliding window): the full rows."""
+    from rlhf_core.data.collate import PairData, collate_pairs, encode_sequences
+    from rlhf_core.models import ValueHeadModel
+    from rlhf_core.trainers.rm_objectives import head_scores
+    from tests.tiny import tiny_lm
+
+    scorer = _random_scorer(batch_size=8)
+    model, tok = scorer.model.double(), scorer.tokenizer
+    prompts = [f"Human: What is {a} + {b}?\n\nAssistant:" for a, b in ((1, 2), (17, 25), (3, 3))]
+
+    def batch(chosen, rejected, p=prompts):
+        enc = [encode_sequences(tok, p, r, 24, "<test>", keep_eos=True) for r in (chosen, rejected)]
+        return collate_pairs(PairData(*enc), torch.arange(len(p)), tok.pad_token_id)
+
+    def scored(m, b):
+        m.zero_grad()
+        s = head_scores(m, b, "cpu")
+        (s * torch.arange(1.0, len(s) + 1, dtype=s.dtype)).sum().backward()
+        return s.detach(), [q.grad.clone() for q in m.parameters()]
+
+    positions = []
+    hook = model.backbone.register_forward_pre_hook(
+        lambda module, args, kwargs: positions.append(kwargs["input_ids"].numel()), with_kwargs=True)
+    pairs = batch([" 3", " 42", " 6"], [" 4", " 4 2 4", ""])
+    full = {k: pairs[k] for k in ("input_ids", "attention_mask")}
+    want, want_grads = scored(model, full)
+    assert positions == [full["input_ids"].numel()]
+    positions.clear()
+    got, got_grads = scored(model, pairs)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    for a, b in zip(got_grads, want_grads, strict=True):  # the rotary tables are float32 even here: ~1e-7
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert len(positions) > 1 and sum(positions) < 0.75 * full["input_ids"].numel()
+
+    positions.clear()
+    long = batch([" 1 2 3 4 5 6 7 8 9 1"] * 2, [" 9 8 7 6 5 4 3 2 1 9"] * 2, ["Human: 1", "Human: 2"])
+    assert "prefix_ids" in long and long["suffix_ids"].shape[1] > long["prefix_ids"].shape[1]
+    head_scores(model, long, "cpu")
+    hook.remove()
+    assert positions == [long["input_ids"].numel()]
+
+    windowed = ValueHeadModel(tiny_lm("sliding_window").model)
+    ids = torch.tensor([[1, 7, 8, 5, 6, 2], [1, 7, 9, 5, 2, 0]])
+    mask = (ids != 0).long()
+    rows, row_mask = ids.repeat(2, 1), mask.repeat(2, 1)
+    layout = {"input_ids": rows, "attention_mask": row_mask, "prefix_ids": ids[:, :3], "prefix_mask": mask[:, :3],
+              "suffix_ids": rows[:, 3:], "suffix_mask": row_mask[:, 3:]}
+    torch.testing.assert_close(head_scores(windowed, layout, "cpu"), windowed(rows, row_mask).scores)
+
+
 def test_an_ensemble_of_other_vocabularies_tokenises_per_member():
     from rlhf_core.models import EnsembleScorer
 
