@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
@@ -21,7 +22,7 @@ from rich.markup import escape
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 from rlhf_core.ops.dvc_remote import REMOTE_ENV
 from rlhf_core.ops.launch import LAUNCH_ENV, record_stopped, relaunch_command
-from rlhf_core.stages import CHECKPOINTED_STAGES, STAGES, exit_codes
+from rlhf_core.stages import CHECKPOINTED_STAGES, IDLE, STAGES, exit_codes
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -91,8 +92,9 @@ def stage_cmd(
     stop_when_flow_exits(Path(params.project.workspace) / "logs" / f"stage-{name}.log")
 
     try:
-        with (stage_lock(params.project.workspace, name), tracking.stage_run(name, params, Path(".")) as mlflow_log,
-              StageProgress(name, console) as show):
+        idle = IDLE.get(name, lambda _: False)(params)
+        run = nullcontext(lambda metrics, step: None) if idle else tracking.stage_run(name, params, Path("."))
+        with stage_lock(params.project.workspace, name), run as mlflow_log, StageProgress(name, console) as show:
 
             def log(metrics: dict, step: int) -> None:
                 show(metrics, step)

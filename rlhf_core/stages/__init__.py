@@ -8,6 +8,8 @@ the two agree).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 STAGES: dict[str, str] = {
     "prepare": "rlhf_core.stages.prepare:run",
     "sft": "rlhf_core.trainers.sft:train_sft",
@@ -17,6 +19,9 @@ STAGES: dict[str, str] = {
     "evaluate": "rlhf_core.stages.evaluate:run",
 }
 STAGE_NAMES: tuple[str, ...] = tuple(STAGES)
+# stages with nothing to do under these params, which open no MLflow run (they still write their metrics file):
+# feedback's round 0, the base pipeline, collects no comparisons (an MLflow run costs a stage ~5 s of start-up)
+IDLE: dict[str, Callable] = {"feedback": lambda params: params.feedback.round == 0}
 # stages that checkpoint: a SIGTERM makes them save and exit 75 (``rlhf_core.engine.stop``)
 CHECKPOINTED_STAGES: tuple[str, ...] = ("sft", "rm", "rlhf")
 

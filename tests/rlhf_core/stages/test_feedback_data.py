@@ -4,10 +4,15 @@ noise, the label import's bad inputs (error naming file:line, or dropped and cou
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from rlhf_core.config import load_params
 from rlhf_core.data.feedback import (
     checker_choices,
     dotted,
@@ -17,6 +22,7 @@ from rlhf_core.data.feedback import (
     replay_indices,
 )
 from rlhf_core.data.readers import DataError
+from rlhf_core.stages import IDLE
 
 
 def test_pairs_are_drawn_among_distinct_answers_only():
@@ -133,3 +139,18 @@ def test_the_workspace_actor_is_snapshotted_sealed_with_its_source_named(tmp_pat
     assert (src / MODEL_MANIFEST).read_text() == source_manifest and "source" not in json.loads(
         (src / "rlhf_meta.json").read_text())
     assert not list(actor.parent.glob(".*tmp*"))  # no temp copy left beside it
+
+
+def test_round_zero_writes_its_metrics_and_opens_no_mlflow_run(tmp_path):
+    """The base pipeline's feedback stage (round 0) collects nothing: its metrics file says so and it opens no
+    MLflow run (the store is never touched); a round that collects is not idle."""
+    repo = Path(__file__).resolve().parents[3]
+    db = tmp_path / "mlflow.db"
+    (tmp_path / "params.yaml").write_text("project: {name: idle}\n")
+    env = {**os.environ, "RLHF_TRACKING": "on", "MLFLOW_TRACKING_URI": f"sqlite:///{db}", "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stage", "feedback"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "metrics/feedback.json").read_text()) == {"round": 0, "collected": False}
+    assert not db.exists()
+    assert not IDLE["feedback"](load_params(tmp_path / "params.yaml", ["feedback.round=1"]))
