@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.algos import implicit_reward, response_logprob_sums
-from rlhf_core.data.collate import Ragged, TokenizedSequences, encode_sequences
+from rlhf_core.algos import implicit_reward, logprobs_from_logits, response_logprob_sums
+from rlhf_core.data.collate import TokenizedSequences, encode_sequences
 from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.models.loading import ADAPTER_DIR, save_causal_lm
 from rlhf_core.ops.integrity import verify_model_dir
+from rlhf_core.passes.generation import response_logits
 
 IMPLICIT_FILE = "implicit_reward.json"
 
@@ -52,6 +53,29 @@ def implicit_scores(forward, adapter_off, input_ids: torch.Tensor, attention_mas
         ref_logits = forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         ref_logp = response_logprob_sums(ref_logits.float(), input_ids, response_mask)
     return implicit_reward(logp, ref_logp, beta)
+
+
+def implicit_scores_on_prompts(forward, adapter_off, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
+                               owner: torch.Tensor, suffix_ids: torch.Tensor, suffix_mask: torch.Tensor,
+                               beta: float) -> torch.Tensor:
+    """``implicit_scores`` of the rows ``cat(prefix_ids[owner[i]], suffix_ids[i])``: prompts ``[U, P]``
+    left-padded, responses ``[B, S]`` right-padded (EOS included, ``suffix_mask``). Only the logits that score the
+    responses are computed (``generation.response_logits``), and the rows of one prompt share its pass where the
+    model can (its KV cache, or its group packed): the same rewards up to float rounding, without the prompt
+    positions' ``[B, P, V]`` logits."""
+    order = torch.argsort(owner, stable=True)  # the rows of one prompt consecutive, as the group passes want
+    ids = torch.cat([prefix_ids[owner], suffix_ids], dim=1)[order]
+    mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1).long()[order]
+    targets, keep = suffix_ids[order], suffix_mask[order].bool()
+
+    def logp() -> torch.Tensor:
+        logits = response_logits(forward, ids, mask, suffix_ids.shape[1], group=owner[order])
+        return (logprobs_from_logits(logits.float(), targets) * keep).sum(dim=-1)
+
+    policy = logp()
+    with torch.no_grad(), adapter_off():
+        reference = logp()
+    return torch.empty_like(policy).index_copy_(0, order, implicit_reward(policy, reference, beta))
 
 
 def save_implicit_rm(model, directory: str | Path, beta: float) -> None:
@@ -99,14 +123,19 @@ class ImplicitRewardScorer:
 
     @torch.no_grad()
     def score_encoded(self, seqs: TokenizedSequences) -> torch.Tensor:
-        response = Ragged(seqs.response_mask, seqs.tokens.offsets)
+        """Per batch of ``batch_size`` rows, each distinct prompt once (``implicit_scores_on_prompts``)."""
+        prompts, responses = seqs.split
+        pad, dev = self.tokenizer.pad_token_id, self.device
         out = []
         for start in range(0, len(seqs), self.batch_size):
             idx = torch.arange(start, min(start + self.batch_size, len(seqs)))
-            ids, valid = seqs.tokens.pad(idx, pad_value=self.tokenizer.pad_token_id, side="right")
-            resp, _ = response.pad(idx, pad_value=False, side="right")
-            out.append(implicit_scores(self.model, self.model.disable_adapter, ids.to(self.device),
-                                       valid.long().to(self.device), resp.to(self.device), self.beta).float().cpu())
+            prefix, prefix_mask = prompts.pad(idx, pad_value=pad, side="left")
+            unique, owner = torch.unique(torch.where(prefix_mask, prefix, -1), dim=0, return_inverse=True)
+            first = torch.full((len(unique),), len(idx)).scatter_reduce(0, owner, torch.arange(len(idx)), "amin")
+            suffix, suffix_mask = responses.pad(idx, pad_value=pad, side="right")
+            out.append(implicit_scores_on_prompts(
+                self.model, self.model.disable_adapter, prefix[first].to(dev), prefix_mask[first].to(dev),
+                owner.to(dev), suffix.to(dev), suffix_mask.to(dev), self.beta).float().cpu())
         return torch.cat(out) if out else torch.empty(0)
 
     def score_responses(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:

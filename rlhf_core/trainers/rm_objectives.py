@@ -24,7 +24,7 @@ from rlhf_core.config import Params, RMConfig
 from rlhf_core.data.collate import PairData
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import TrainingInputError
-from rlhf_core.models.implicit_reward import implicit_scores, save_implicit_rm
+from rlhf_core.models.implicit_reward import implicit_scores, implicit_scores_on_prompts, save_implicit_rm
 from rlhf_core.models.loading import build_causal_lm, build_value_model, load_causal_lm, save_value_model
 from rlhf_core.ops import paths
 from rlhf_core.passes.values import shared_prefix_scores, worth_sharing
@@ -56,6 +56,12 @@ def dpo_scores(beta: float) -> ScoreFn:
     """Each row's implicit reward ``[2B]``; ``model`` is the engine (training) or the peft model (evaluation)."""
     def scores(model, batch: dict, device) -> torch.Tensor:
         peft = getattr(model, "module", model)
+        if "prefix_ids" in batch:  # each pair's prompt once, logits at the responses only
+            n = len(batch["prefix_ids"])
+            return implicit_scores_on_prompts(
+                model, peft.disable_adapter, batch["prefix_ids"].to(device), batch["prefix_mask"].to(device),
+                torch.arange(n, device=device).repeat(2), batch["suffix_ids"].to(device),
+                batch["suffix_mask"].to(device), beta)
         return implicit_scores(model, peft.disable_adapter, batch["input_ids"].to(device),
                                batch["attention_mask"].to(device), batch["response_mask"].to(device), beta)
 
