@@ -285,6 +285,14 @@ def shared_prompt_layout(data: PairData, idx: torch.Tensor, pad_id: int) -> dict
             "suffix_mask": torch.cat([cm, rm]).long()}
 
 
+def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, owner)`` of the padded rows ``ids`` ``[N, T]``: ``first[u]`` the first row of each distinct row
+    (padding ignored), ``owner[i]`` the distinct row of row ``i``, so ``ids[first][owner]`` equals ``ids``."""
+    unique, owner = torch.unique(torch.where(mask.bool(), ids, -1), dim=0, return_inverse=True)
+    first = torch.full((len(unique),), len(ids)).scatter_reduce(0, owner, torch.arange(len(ids)), "amin")
+    return first, owner
+
+
 def keep_last_tokens(rows: Ragged, limit: int, keep_first: int | None = None) -> Ragged:
     """Each row cut to its last ``limit`` tokens (left truncation, as ``data.truncation: left``).
 

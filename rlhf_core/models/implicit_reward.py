@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.algos import implicit_reward, logprobs_from_logits, response_logprob_sums
-from rlhf_core.data.collate import TokenizedSequences, encode_sequences
+from rlhf_core.data.collate import TokenizedSequences, distinct_rows, encode_sequences
 from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.models.loading import ADAPTER_DIR, save_causal_lm
 from rlhf_core.ops.integrity import verify_model_dir
@@ -130,8 +130,7 @@ class ImplicitRewardScorer:
         for start in range(0, len(seqs), self.batch_size):
             idx = torch.arange(start, min(start + self.batch_size, len(seqs)))
             prefix, prefix_mask = prompts.pad(idx, pad_value=pad, side="left")
-            unique, owner = torch.unique(torch.where(prefix_mask, prefix, -1), dim=0, return_inverse=True)
-            first = torch.full((len(unique),), len(idx)).scatter_reduce(0, owner, torch.arange(len(idx)), "amin")
+            first, owner = distinct_rows(prefix, prefix_mask)
             suffix, suffix_mask = responses.pad(idx, pad_value=pad, side="right")
             out.append(implicit_scores_on_prompts(
                 self.model, self.model.disable_adapter, prefix[first].to(dev), prefix_mask[first].to(dev),

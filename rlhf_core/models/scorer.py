@@ -18,7 +18,14 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.data.collate import Ragged, TokenizedSequences, concat_rows, encode_prompts, encode_sequences
+from rlhf_core.data.collate import (
+    Ragged,
+    TokenizedSequences,
+    concat_rows,
+    distinct_rows,
+    encode_prompts,
+    encode_sequences,
+)
 from rlhf_core.data.tokenizer import load_tokenizer, same_tokenizer
 from rlhf_core.models.implicit_reward import ImplicitRewardScorer, is_implicit
 from rlhf_core.models.value_head import ValueHeadModel
@@ -94,12 +101,11 @@ class RewardScorer:
         for start in range(0, len(rows), self.batch_size):
             idx = torch.arange(start, min(start + self.batch_size, len(rows)))
             prefix, prefix_mask = prompt_rows.pad(idx, pad_value=pad, side="left")
-            unique, owner = torch.unique(torch.where(prefix_mask, prefix, -1), dim=0, return_inverse=True)
+            first, owner = distinct_rows(prefix, prefix_mask)
             suffix, suffix_mask = response_rows.pad(idx, pad_value=pad, side="right")
             scores = None
-            if worth_sharing(len(unique), prefix.shape[1], len(idx), suffix.shape[1]) and bool(
+            if worth_sharing(len(first), prefix.shape[1], len(idx), suffix.shape[1]) and bool(
                     prefix_mask.any(dim=1).all()):
-                first = torch.full((len(unique),), len(idx)).scatter_reduce(0, owner, torch.arange(len(idx)), "amin")
                 with torch.no_grad():
                     scores = self.model.shared_prefix_scores(
                         prefix[first].to(self.device), prefix_mask[first].to(self.device), owner.to(self.device),

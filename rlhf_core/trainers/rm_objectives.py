@@ -33,35 +33,42 @@ from rlhf_core.trainers import rm_process
 ScoreFn = Callable[[torch.nn.Module, dict, torch.device], torch.Tensor]  # (model or engine, batch, device) -> [2B]
 
 
+def pair_layout(model, batch: dict, device, saving: bool) -> tuple[torch.Tensor, ...] | None:
+    """``(prefix_ids, prefix_mask, owner, suffix_ids, suffix_mask)`` on ``device`` from the batch's
+    ``collate.shared_prompt_layout``, ``owner`` each response's pair; None where the batch has none or, with
+    ``saving``, sharing would skip less than a quarter of the positions (``worth_sharing``: responses longer
+    than their prompts). Under ZeRO-3 over several ranks every rank gets a layout or none, so that all make the
+    same forward passes."""
+    use = "prefix_ids" in batch and (not saving or worth_sharing(*batch["prefix_ids"].shape,
+                                                                  *batch["suffix_ids"].shape))
+    if D.forwards_in_lockstep(model):
+        (use,) = D.all_agree(use)
+    if not use:
+        return None
+    owner = torch.arange(len(batch["prefix_ids"]), device=device).repeat(2)
+    return (batch["prefix_ids"].to(device), batch["prefix_mask"].to(device), owner, batch["suffix_ids"].to(device),
+            batch["suffix_mask"].to(device))
+
+
 def head_scores(model, batch: dict, device) -> torch.Tensor:
     """The value at each row's last token ``[2B]``. Each pair's prompt goes through once, its two responses on
-    its KV cache (``passes.values.shared_prefix_scores`` on ``collate.shared_prompt_layout``), where that skips
-    a quarter of the positions (``worth_sharing``: responses no longer than their prompts) and the model can
-    share its cache: the same scores and gradients up to float rounding. Under ZeRO-3 over several ranks every
-    rank takes the same path."""
-    shared = "prefix_ids" in batch and worth_sharing(*batch["prefix_ids"].shape, *batch["suffix_ids"].shape)
-    if D.forwards_in_lockstep(model):
-        (shared,) = D.all_agree(shared)
-    if shared:
-        n = len(batch["prefix_ids"])
-        scores = shared_prefix_scores(model, batch["prefix_ids"].to(device), batch["prefix_mask"].to(device),
-                                      torch.arange(n, device=device).repeat(2), batch["suffix_ids"].to(device),
-                                      batch["suffix_mask"].to(device))
-        if scores is not None:
-            return scores
+    its KV cache (``passes.values.shared_prefix_scores`` on ``pair_layout``), where that skips a quarter of the
+    positions and the model can share its cache: the same scores and gradients up to float rounding."""
+    layout = pair_layout(model, batch, device, saving=True)
+    scores = shared_prefix_scores(model, *layout) if layout is not None else None
+    if scores is not None:
+        return scores
     return model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores
 
 
 def dpo_scores(beta: float) -> ScoreFn:
-    """Each row's implicit reward ``[2B]``; ``model`` is the engine (training) or the peft model (evaluation)."""
+    """Each row's implicit reward ``[2B]``; ``model`` is the engine (training) or the peft model (evaluation).
+    From the batch's ``pair_layout``: each pair's prompt once, logits at the responses only."""
     def scores(model, batch: dict, device) -> torch.Tensor:
         peft = getattr(model, "module", model)
-        if "prefix_ids" in batch:  # each pair's prompt once, logits at the responses only
-            n = len(batch["prefix_ids"])
-            return implicit_scores_on_prompts(
-                model, peft.disable_adapter, batch["prefix_ids"].to(device), batch["prefix_mask"].to(device),
-                torch.arange(n, device=device).repeat(2), batch["suffix_ids"].to(device),
-                batch["suffix_mask"].to(device), beta)
+        layout = pair_layout(model, batch, device, saving=False)
+        if layout is not None:
+            return implicit_scores_on_prompts(model, peft.disable_adapter, *layout, beta)
         return implicit_scores(model, peft.disable_adapter, batch["input_ids"].to(device),
                                batch["attention_mask"].to(device), batch["response_mask"].to(device), beta)
 

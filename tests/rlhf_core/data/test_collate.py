@@ -180,3 +180,13 @@ def test_rm_rows_cut_by_max_length_still_end_with_eos():
     assert ends == [tok.eos_token_id, tok.eos_token_id] and rm.truncated == sft.truncated == 1
     assert sft.tokens.flat[sft.tokens.offsets[2] - 1] != tok.eos_token_id
     assert rm.tokens.lengths.tolist() == sft.tokens.lengths.tolist()
+
+
+def test_distinct_rows_ignore_padding_and_point_back_to_their_first_row():
+    from rlhf_core.data.collate import distinct_rows
+
+    ids = torch.tensor([[0, 5, 6], [7, 5, 6], [9, 5, 6], [0, 8, 6]])  # rows 0 and 2 differ only in padding
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]])
+    first, owner = distinct_rows(ids, mask)
+    assert len(first) == 3 and owner[0] == owner[2] and len(set(owner[[0, 1, 3]].tolist())) == 3
+    assert first[owner].tolist() == [0, 1, 0, 3]
