@@ -12,9 +12,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+)
+from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
 from rlhf_core.config import ComputeConfig, LoraConfig, Params
 from rlhf_core.data.tokenizer import load_tokenizer
@@ -40,6 +47,20 @@ def load_training_tokenizer(root: str | Path, params: Params):
     if tok.pad_token_id is None:
         raise TrainingInputError(f"tokenizer at {path} has no pad token; set one (distinct from EOS) and save it")
     return tok
+
+
+def import_architecture(model_dir: Path) -> None:
+    """Import the transformers modules of ``model_dir``'s architecture (its config, tokenizer, causal LM and
+    sequence classifier classes), loading nothing: a process that then forks workers (``rm.parallel``) hands
+    them over instead of each worker importing them again. A directory without a ``config.json``, or whose
+    ``model_type`` transformers does not know (remote code), imports nothing."""
+    config_file = model_dir / "config.json"
+    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    if model_type not in CONFIG_MAPPING:
+        return
+    config_class = CONFIG_MAPPING[model_type]
+    for mapping in (TOKENIZER_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING):
+        mapping.get(config_class, None)  # a lazy mapping: the lookup imports the class's module
 
 
 # --------------------------------------------------------------------------- checks

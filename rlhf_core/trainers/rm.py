@@ -34,6 +34,7 @@ from rlhf_core.engine.sampler import ResumableSampler
 from rlhf_core.evaluation import shard_for_eval
 from rlhf_core.models.loading import (
     base_model_source,
+    import_architecture,
     load_training_tokenizer,
 )
 from rlhf_core.models.scorer import ENSEMBLE_FILE, MEMBERS_DIR, EnsembleScorer
@@ -144,7 +145,8 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     jobs += [(params, JUDGE, "judge.")] if params.rm.judge else []
 
     results = fit_all(fit_reward_model, jobs, root, log, params.rm.parallel, params.compute.num_threads,
-                      params.compute.stop_grace_s, hooks)
+                      params.compute.stop_grace_s, hooks,
+                      before_start=lambda: import_architecture(root / paths.BASE_MODEL))
     metrics = results[0]
     if params.rm.ensemble > 1:
         metrics = summarise_ensemble(proxy, root, results[:params.rm.ensemble], log)

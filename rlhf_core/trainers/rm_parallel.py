@@ -3,9 +3,16 @@
 The members of an ensemble (``rm.ensemble``) and the judge (``rm.judge``) are independent trainings. On a CPU
 one of them keeps ``compute.num_threads`` cores busy and leaves the rest idle; a tiny model gains little from
 more threads (its matmuls are too small to split), much from running K trainings at once. So, in a world of one
-process on a CPU, up to ``workers`` of them run at once, each in a spawned process that makes exactly the call
-the serial path makes (``fit_reward_model`` with the same params and role): a member's weights do not depend on
-which path trained it (tests/rlhf_core/trainers/test_rm_parallel.py compares them).
+process on a CPU, up to ``workers`` of them run at once, each in a process forked from the stage's that makes
+exactly the call the serial path makes (``fit_reward_model`` with the same params and role): a member's weights
+do not depend on which path trained it (tests/rlhf_core/trainers/test_rm_parallel.py compares them).
+
+Forked, not spawned, where that is safe (``start_method``): a spawned worker imports torch, transformers and
+DeepSpeed again, ~10 s before its first step (docs/results/demo.md). The stage's process forks before it has run
+a tensor operation (it has read its params, opened its MLflow run and imported modules): a copy of a process
+whose OpenMP thread pool has started can hang in its first parallel region. ``before_start`` may import more
+(the model's transformers modules), never compute. No CUDA exists (``worker_count``); a process group may, in
+a caller that trained in-process before (the tests): then the workers are spawned.
 
 The stage's process stays the one that logs and answers signals:
 
@@ -35,6 +42,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rlhf_core.config import Params
 from rlhf_core.engine import distributed as D
@@ -62,6 +70,13 @@ def worker_count(requested: int, threads: int, jobs: int, world_size: int, cuda:
         return 1
     n = requested or usable_cores() // max(1, threads or usable_cores())
     return max(1, min(n, jobs))
+
+
+def start_method() -> str:
+    """``fork`` (the workers inherit this process's imports), unless this process has a torch.distributed process
+    group: a forked copy of one hangs in its first collective (DeepSpeed's broadcast of the model), so then
+    ``spawn``."""
+    return "spawn" if dist.is_available() and dist.is_initialized() else "fork"
 
 
 def with_prefix(log: LogFn | None, prefix: str) -> LogFn | None:
@@ -109,7 +124,7 @@ def fit_side_by_side(fit: FitFn, jobs: list[Job], root: Path, log: LogFn | None,
     """Run ``fit(params, root, role, log)`` for each of ``jobs`` in ``workers`` processes (``fit``: a module-level
     function, which the workers import by name); their metrics in job order. Raises the first job's error (after
     the other workers checkpointed and stopped) or, after a SIGTERM, ``StopRequested``."""
-    ctx = mp.get_context("spawn")  # a forked copy of a process with torch threads and a process group hangs
+    ctx = mp.get_context(start_method())
     log_queue, first_saved = ctx.Queue(), ctx.Event()
     finished: set[int] = set()
 
@@ -161,9 +176,11 @@ def _signal_workers(pool: ProcessPoolExecutor) -> None:
 
 
 def fit_all(fit: FitFn, jobs: list[Job], root: Path, log: LogFn | None, requested: int, threads: int,
-            grace_s: float, hooks: Hooks | None = None) -> list[dict]:
+            grace_s: float, hooks: Hooks | None = None, before_start: Callable[[], None] | None = None
+            ) -> list[dict]:
     """Each job's metrics: ``fit`` in this process one after another (with ``hooks``, which are in-process
-    callbacks, always), or side by side (``worker_count``)."""
+    callbacks, always), or side by side (``worker_count``), after ``before_start()`` (imports that forked
+    workers inherit; no tensor operation)."""
     launched = max(D.world_size(), int(os.environ.get("WORLD_SIZE", "1")))  # before or after the group is made
     workers = 1 if hooks is not None else worker_count(requested, threads, len(jobs), launched,
                                                         torch.cuda.is_available())
@@ -172,4 +189,6 @@ def fit_all(fit: FitFn, jobs: list[Job], root: Path, log: LogFn | None, requeste
     if not threads:  # each worker's share of the cores
         jobs = [(p.model_copy(update={"compute": p.compute.model_copy(
             update={"num_threads": max(1, usable_cores() // workers)})}), role, prefix) for p, role, prefix in jobs]
+    if before_start is not None:
+        before_start()
     return fit_side_by_side(fit, jobs, root, log, workers, grace_s)

@@ -40,15 +40,50 @@ def _weights(d: Path) -> dict[str, torch.Tensor]:
     return load_file(d / "model.safetensors")
 
 
+FRESH_PROCESS = """
+import json, sys
+from pathlib import Path
+from rlhf_core.trainers.rm import train_rm
+from rlhf_core.trainers.rm_parallel import start_method
+from tests.rlhf_core.trainers.test_rm import tiny_params
+rows, method = [], start_method()
+metrics = train_rm(tiny_params(*sys.argv[2:]), Path(sys.argv[1]), lambda m, step: rows.append((step, m)))
+print(json.dumps({"start_method": method, "metrics": metrics, "rows": rows}))
+"""
+
+
+def train_rm_in_a_fresh_process(root: Path, *overrides: str) -> dict:
+    """``train_rm`` as the stage runs it: in a process with no process group yet, whose workers are forked."""
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(root), *overrides], cwd=REPO, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_workers_are_forked_unless_this_process_has_a_process_group():
+    code = ("import torch.distributed as dist\n"
+            "from rlhf_core.trainers.rm_parallel import start_method\n"
+            "before = start_method()\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+            "print(before, start_method())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["fork", "spawn"]
+
+
 def test_side_by_side_trains_the_same_models_and_logs_the_same_rows(ws, tmp_path):  # noqa: F811
-    """Three members and the judge, two workers vs one after another in this process: bit-identical weights,
-    the same metrics (but time), and the same (step, key) log rows, each member's under its prefix."""
+    """Three members and the judge, two forked workers in a fresh process (as the stage runs them) vs one after
+    another in this process: bit-identical weights, the same metrics (but time), and the same (step, key) log
+    rows, each member's under its prefix."""
     serial = tmp_path / "serial"
     shutil.copytree(ws, serial)
     run = ["rm.ensemble=3", "rm.judge=true", "rm.max_steps=6", "rm.log_every=2"]
-    rows: dict[int, list] = {1: [], 2: []}
-    got = {n: train_rm(tiny_params(*run, f"rm.parallel={n}"), root, lambda m, step, n=n: rows[n].append((step, m)))
-           for n, root in ((1, serial), (2, ws))}
+    rows: dict[int, list] = {1: []}
+    got = {1: train_rm(tiny_params(*run, "rm.parallel=1"), serial, lambda m, step: rows[1].append((step, m)))}
+    side_by_side = train_rm_in_a_fresh_process(ws, *run, "rm.parallel=2")
+    assert side_by_side["start_method"] == "fork"
+    got[2], rows[2] = side_by_side["metrics"], side_by_side["rows"]
+    got[1] = json.loads(json.dumps(got[1]))  # as the other came: through JSON
     for sub in OUTPUTS:
         a, b = _weights(serial / sub), _weights(ws / sub)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
