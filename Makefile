@@ -65,6 +65,7 @@ $(DEV_STAMP): $(STAMP)
 generated: $(DEV_STAMP)
 	$(BIN)/rlhf params docs > docs/params.md
 	$(BIN)/rlhf k8s write-manifests
+	$(BIN)/python -m flows.prefect_schema
 
 clean:
 	rm -rf .rlhf data/prepared models checkpoints metrics plots reports dvc.lock

@@ -12,9 +12,11 @@ import sys
 import threading
 from pathlib import Path
 
+from flows.prefect_schema import restore
 from rlhf_core.ops.dvc_repro import stage_env
 
 EPHEMERAL_STARTUP_TIMEOUT_S = 300  # Prefect's default is 20 s
+DATABASE_URL_KEYS = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
 
 
 def ensure_dvc(root: Path, workspace: str) -> None:
@@ -31,16 +33,21 @@ def ensure_dvc(root: Path, workspace: str) -> None:
 
 
 def embedded_environment(root: Path, workspace: str) -> None:
-    """Defaults for a run with no servers: Prefect's home (ephemeral API) in the workspace folder.
+    """Defaults for a run with no servers: Prefect's home (ephemeral API) in the workspace folder, its new
+    database restored from the installed Prefect's schema dump (``flows.prefect_schema``) unless a database URL is
+    set.
 
-    The ephemeral API server's first start migrates its database; on two busy cores that took longer than
-    Prefect's default 20 s and the run failed ("Timed out while attempting to connect to ephemeral Prefect API
-    server"), so it gets ``EPHEMERAL_STARTUP_TIMEOUT_S``. ``PREFECT_API_URL`` / ``MLFLOW_TRACKING_URI`` and any
+    A first start that migrates its database (a Prefect version without a dump) took longer than Prefect's default
+    20 s on two busy cores and the run failed ("Timed out while attempting to connect to ephemeral Prefect API
+    server"), so the server gets ``EPHEMERAL_STARTUP_TIMEOUT_S``. ``PREFECT_API_URL`` / ``MLFLOW_TRACKING_URI`` and any
     of these settings the user set win; nothing else changes.
     """
     state = (root / workspace).resolve()
     state.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("PREFECT_HOME", str(state / "prefect"))
+    if "PREFECT_HOME" not in os.environ:  # ours: its database is restored, not migrated (flows.prefect_schema)
+        os.environ["PREFECT_HOME"] = str(state / "prefect")
+        if not any(k in os.environ for k in DATABASE_URL_KEYS):
+            restore(state / "prefect" / "prefect.db")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EPHEMERAL_STARTUP_TIMEOUT_S))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")

@@ -62,7 +62,8 @@ def _burn(seconds: float) -> None:  # pragma: no cover - runs in a child process
 
 @pytest.mark.slow
 def test_cold_start_of_the_embedded_prefect_server_under_cpu_load(tmp_path):
-    """A fresh Prefect home (the database is created and migrated) while every core is busy: the flow runs."""
+    """A fresh Prefect home (its database restored from the schema dump, flows/prefect_schema.py) while every
+    core is busy: the flow runs."""
     import multiprocessing as mp
 
     burners = [mp.Process(target=_burn, args=(240.0,), daemon=True) for _ in range(os.cpu_count() or 2)]
@@ -79,7 +80,7 @@ def test_cold_start_of_the_embedded_prefect_server_under_cpu_load(tmp_path):
             b.terminate()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "result ok" in proc.stdout
-    assert (tmp_path / "ws" / "prefect").is_dir()  # the home the embedded default chose, created cold
+    assert (tmp_path / "ws" / "prefect" / "prefect.db").is_file()  # the home the embedded default chose, made cold
 
 
 EARLY = """
