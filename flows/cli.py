@@ -20,7 +20,7 @@ from rich.table import Table
 
 from benchmarks.cli import bench_app
 from flows.local_pipeline import EarlyAPI, embedded_environment, ensure_dvc
-from rlhf_core.cli import SET_HELP, app, console, fail
+from rlhf_core.cli import SET_HELP, app, console, exit_lightly, fail
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 from rlhf_core.ops.tracking import importable
 
@@ -305,7 +305,7 @@ def main() -> None:
                      "is the training core): pip install 'rlhf-ops[orchestration]'")
             except typer.Exit as stop:  # outside the app: exit with its code, no traceback
                 sys.exit(stop.exit_code)
-    app()
+    exit_lightly(app)
 
 
 if __name__ == "__main__":

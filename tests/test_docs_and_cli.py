@@ -82,3 +82,32 @@ def test_k8s_render_cli_prints_the_submitted_manifest(tmp_path):
 def test_generated_k8s_files_are_current():
     proc = _rlhf("k8s", "write-manifests", "--check", cwd=REPO)
     assert proc.returncode == 0, f"stale generated files (run `make generated`):\n{proc.stderr}"
+
+
+def test_the_cli_freezes_the_heap_on_the_way_out_with_the_command_s_exit():
+    """rlhf_core.cli.exit_lightly: gc.freeze() after the command however it leaves (its exit code, its error
+    unchanged), so the interpreter's last collection skips what torch & co. allocated."""
+    import gc
+
+    import pytest
+
+    from rlhf_core.cli import exit_lightly
+
+    def fails():
+        raise ValueError("bad input")
+
+    try:
+        for command, raised, check in ((lambda: sys.exit(3), SystemExit, lambda e: e.code == 3),
+                                       (fails, ValueError, lambda e: str(e) == "bad input"),
+                                       (lambda: None, None, None)):
+            gc.unfreeze()
+            keep = [[] for _ in range(10)]  # objects the collector tracks, for the freeze to move
+            if raised is None:
+                exit_lightly(command)
+            else:
+                with pytest.raises(raised) as err:
+                    exit_lightly(command)
+                assert check(err.value)
+            assert gc.get_freeze_count() >= len(keep)
+    finally:
+        gc.unfreeze()
