@@ -70,14 +70,20 @@ def normalised_step_rewards(step_rewards: torch.Tensor, ends: torch.Tensor, mask
     return torch.where(g, (r - mean) / (var.sqrt() + eps), torch.zeros((), dtype=r.dtype)).reshape(B, T)
 
 
+def rewards_to_go(per_step: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``A(i, t) = sum_{t' >= t} r~(i, t')``: each token's sum of the step rewards at or after it (``per_step``
+    ``[B, T]``, 0 off the step ends), 0 outside ``mask``."""
+    to_go = per_step.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(as_bool_mask(mask), to_go, torch.zeros((), dtype=to_go.dtype))
+
+
 def process_advantages(step_rewards: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor, group_size: int,
                        eps: float = 1e-4) -> torch.Tensor:
     """GRPO advantages under process supervision: ``A(i, t) = sum_{t' >= t, t' a step end} r~(i, t')``, with
     ``r~`` from :func:`normalised_step_rewards`. ``[B, T]`` in ``step_rewards``' dtype, detached, 0 outside
     ``mask``."""
-    per_row = normalised_step_rewards(step_rewards, ends, mask, group_size, eps)
-    to_go = per_row.flip(-1).cumsum(-1).flip(-1)
-    return torch.where(as_bool_mask(mask), to_go, torch.zeros((), dtype=to_go.dtype)).to(step_rewards.dtype)
+    per_step = normalised_step_rewards(step_rewards, ends, mask, group_size, eps)
+    return rewards_to_go(per_step, mask).to(step_rewards.dtype)
 
 
 def step_token_rewards(step_rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,

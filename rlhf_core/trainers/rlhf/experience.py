@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.algos import kl_estimate
-from rlhf_core.algos.process import normalised_step_rewards, process_advantages, step_ends
+from rlhf_core.algos.process import normalised_step_rewards, rewards_to_go, step_ends
 from rlhf_core.engine import distributed as D
 from rlhf_core.passes.generation import (
     GenerationConfig,
@@ -201,9 +201,8 @@ class ProcessRewards:
         mask = roll.action_mask
         ends, empty = step_ends(roll.responses, mask, self.delimiter_id)
         rewards = self.values(roll.sequences, roll.attention_mask, roll.responses.shape[1]).float().cpu()
-        counted = ends & ~empty[:, None]
-        return (process_advantages(rewards, counted, mask, group_size),
-                normalised_step_rewards(rewards, counted, mask, group_size).float(),
+        normalised = normalised_step_rewards(rewards, ends & ~empty[:, None], mask, group_size)
+        return (rewards_to_go(normalised, mask).to(rewards.dtype), normalised.float(),
                 torch.where(ends, rewards, torch.zeros(())), empty)
 
 

@@ -10,6 +10,7 @@ import torch
 from rlhf_core.algos.process import (
     normalised_step_rewards,
     process_advantages,
+    rewards_to_go,
     step_bce_loss,
     step_ends,
     step_token_rewards,
@@ -55,6 +56,14 @@ def test_process_advantages_by_hand():
     ends = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 1]])
     adv = process_advantages(rewards, ends, torch.ones(2, 4), group_size=2, eps=0.0)
     torch.testing.assert_close(adv, torch.tensor([[-1.0, -1.0, -1.5, -1.5], [1.0, 1.0, 1.0, 0.5]]))
+
+
+def test_rewards_to_go_by_hand():
+    """Each token sums the step rewards at or after it; 0 outside the mask (here the padded last token)."""
+    per_step = torch.tensor([[0.0, 1.0, 0.0, 2.0], [0.0, -1.0, 0.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    torch.testing.assert_close(rewards_to_go(per_step, mask), torch.tensor([[3.0, 3.0, 2.0, 2.0],
+                                                                             [4.0, 4.0, 5.0, 0.0]]))
 
 
 def test_ppo_step_token_rewards_by_hand():
