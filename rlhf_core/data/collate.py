@@ -16,8 +16,9 @@ Conventions
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -291,6 +292,35 @@ def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     unique, owner = torch.unique(torch.where(mask.bool(), ids, -1), dim=0, return_inverse=True)
     first = torch.full((len(unique),), len(ids)).scatter_reduce(0, owner, torch.arange(len(ids)), "amin")
     return first, owner
+
+
+class PromptBatch(NamedTuple):
+    """Rows of a batch split at the prompt: each distinct prompt once (``prefix[first]``; row ``i``'s is
+    ``owner[i]``, ``distinct_rows``), every response after its own."""
+
+    rows: torch.Tensor  # the batch's row indices
+    prefix: torch.Tensor  # [b, P] the prompts, left-padded
+    prefix_mask: torch.Tensor
+    first: torch.Tensor
+    owner: torch.Tensor
+    suffix: torch.Tensor  # [b, S] the responses, right-padded
+    suffix_mask: torch.Tensor
+
+
+def prompt_batches(seqs: TokenizedSequences, batch_size: int, pad_id: int) -> Iterator[PromptBatch]:
+    """``seqs`` in consecutive batches of ``batch_size`` rows, each as a :class:`PromptBatch`."""
+    prompts, responses = seqs.split
+    for start in range(0, len(seqs), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(seqs)))
+        prefix, prefix_mask = prompts.pad(idx, pad_value=pad_id, side="left")
+        suffix, suffix_mask = responses.pad(idx, pad_value=pad_id, side="right")
+        yield PromptBatch(idx, prefix, prefix_mask, *distinct_rows(prefix, prefix_mask), suffix, suffix_mask)
+
+
+def encode_for_scoring(tokenizer, prompts: Sequence[str], responses: Sequence[str],
+                       max_length: int) -> TokenizedSequences:
+    """``prompt + response + EOS`` rows tokenised as a reward model is trained (a cut row ends in EOS)."""
+    return encode_sequences(tokenizer, prompts, responses, int(max_length), "<score_responses>", keep_eos=True)
 
 
 def keep_last_tokens(rows: Ragged, limit: int, keep_first: int | None = None) -> Ragged:

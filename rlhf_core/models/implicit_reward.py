@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.algos import implicit_reward, logprobs_from_logits, response_logprob_sums
-from rlhf_core.data.collate import TokenizedSequences, distinct_rows, encode_sequences
+from rlhf_core.data.collate import TokenizedSequences, encode_for_scoring, prompt_batches
 from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.models.loading import ADAPTER_DIR, save_causal_lm
 from rlhf_core.ops.integrity import verify_model_dir
@@ -118,23 +118,16 @@ class ImplicitRewardScorer:
         return cls(model, load_tokenizer(path, trust_remote_code=trust_remote_code), beta, batch_size, device)
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> TokenizedSequences:
-        return encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>",
-                                keep_eos=True)
+        return encode_for_scoring(self.tokenizer, prompts, responses, self.max_length)
 
     @torch.no_grad()
     def score_encoded(self, seqs: TokenizedSequences) -> torch.Tensor:
         """Per batch of ``batch_size`` rows, each distinct prompt once (``implicit_scores_on_prompts``)."""
-        prompts, responses = seqs.split
-        pad, dev = self.tokenizer.pad_token_id, self.device
-        out = []
-        for start in range(0, len(seqs), self.batch_size):
-            idx = torch.arange(start, min(start + self.batch_size, len(seqs)))
-            prefix, prefix_mask = prompts.pad(idx, pad_value=pad, side="left")
-            first, owner = distinct_rows(prefix, prefix_mask)
-            suffix, suffix_mask = responses.pad(idx, pad_value=pad, side="right")
-            out.append(implicit_scores_on_prompts(
-                self.model, self.model.disable_adapter, prefix[first].to(dev), prefix_mask[first].to(dev),
-                owner.to(dev), suffix.to(dev), suffix_mask.to(dev), self.beta).float().cpu())
+        dev = self.device
+        out = [implicit_scores_on_prompts(self.model, self.model.disable_adapter, b.prefix[b.first].to(dev),
+                                          b.prefix_mask[b.first].to(dev), b.owner.to(dev), b.suffix.to(dev),
+                                          b.suffix_mask.to(dev), self.beta).float().cpu()
+               for b in prompt_batches(seqs, self.batch_size, self.tokenizer.pad_token_id)]
         return torch.cat(out) if out else torch.empty(0)
 
     def score_responses(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:

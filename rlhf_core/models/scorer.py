@@ -22,9 +22,9 @@ from rlhf_core.data.collate import (
     Ragged,
     TokenizedSequences,
     concat_rows,
-    distinct_rows,
+    encode_for_scoring,
     encode_prompts,
-    encode_sequences,
+    prompt_batches,
 )
 from rlhf_core.data.tokenizer import load_tokenizer, same_tokenizer
 from rlhf_core.models.implicit_reward import ImplicitRewardScorer, is_implicit
@@ -89,28 +89,19 @@ class RewardScorer:
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> TokenizedSequences:
         """``prompt + response + EOS`` rows tokenised as the RM was trained (a cut row ends in EOS)."""
-        return encode_sequences(self.tokenizer, prompts, responses, int(self.max_length), "<score_responses>",
-                                keep_eos=True)
+        return encode_for_scoring(self.tokenizer, prompts, responses, self.max_length)
 
     def score_encoded(self, seqs: TokenizedSequences) -> torch.Tensor:
         """Scores of rows from :meth:`encode` (``score_responses`` without the tokenisation)."""
-        rows = seqs.tokens
-        prompt_rows, response_rows = seqs.split
-        pad = self.tokenizer.pad_token_id
-        out = []
-        for start in range(0, len(rows), self.batch_size):
-            idx = torch.arange(start, min(start + self.batch_size, len(rows)))
-            prefix, prefix_mask = prompt_rows.pad(idx, pad_value=pad, side="left")
-            first, owner = distinct_rows(prefix, prefix_mask)
-            suffix, suffix_mask = response_rows.pad(idx, pad_value=pad, side="right")
+        dev, out = self.device, []
+        for b in prompt_batches(seqs, self.batch_size, self.tokenizer.pad_token_id):
             scores = None
-            if worth_sharing(len(first), prefix.shape[1], len(idx), suffix.shape[1]) and bool(
-                    prefix_mask.any(dim=1).all()):
+            if worth_sharing(len(b.first), b.prefix.shape[1], len(b.rows), b.suffix.shape[1]) and bool(
+                    b.prefix_mask.any(dim=1).all()):
                 with torch.no_grad():
-                    scores = self.model.shared_prefix_scores(
-                        prefix[first].to(self.device), prefix_mask[first].to(self.device), owner.to(self.device),
-                        suffix.to(self.device), suffix_mask.to(self.device))
-            out.append(scores.float().cpu() if scores is not None else self._score_ragged(rows.select(idx)))
+                    scores = self.model.shared_prefix_scores(b.prefix[b.first].to(dev), b.prefix_mask[b.first].to(dev),
+                                                             b.owner.to(dev), b.suffix.to(dev), b.suffix_mask.to(dev))
+            out.append(scores.float().cpu() if scores is not None else self._score_ragged(seqs.tokens.select(b.rows)))
         return torch.cat(out) if out else torch.empty(0)
 
 

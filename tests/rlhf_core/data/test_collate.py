@@ -190,3 +190,19 @@ def test_distinct_rows_ignore_padding_and_point_back_to_their_first_row():
     first, owner = distinct_rows(ids, mask)
     assert len(first) == 3 and owner[0] == owner[2] and len(set(owner[[0, 1, 3]].tolist())) == 3
     assert first[owner].tolist() == [0, 1, 0, 3]
+
+
+def test_prompt_batches_split_each_batch_at_its_prompts_by_hand():
+    """Rows [prompt | response]: (1 2 | 7), (3 | 8 9), (1 2 | 6) in batches of 2: the first batch has two distinct
+    prompts, left-padded, and its responses right-padded; the second holds the last row alone."""
+    from rlhf_core.data.collate import TokenizedSequences, prompt_batches
+
+    rows = Ragged.from_lists([[1, 2, 7], [3, 8, 9], [1, 2, 6]])
+    response = torch.tensor([0, 0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.bool)
+    seqs = TokenizedSequences(rows, response, torch.tensor([2, 1, 2]), 0)
+    first, second = prompt_batches(seqs, 2, pad_id=0)
+    assert first.rows.tolist() == [0, 1] and second.rows.tolist() == [2]
+    assert first.prefix.tolist() == [[1, 2], [0, 3]] and first.prefix_mask.tolist() == [[1, 1], [0, 1]]
+    assert first.suffix.tolist() == [[7, 0], [8, 9]] and first.suffix_mask.tolist() == [[1, 0], [1, 1]]
+    assert first.prefix[first.first][first.owner].tolist() == first.prefix.tolist() and len(first.first) == 2
+    assert second.prefix.tolist() == [[1, 2]] and second.suffix.tolist() == [[6]] and second.owner.tolist() == [0]
