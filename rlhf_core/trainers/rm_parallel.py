@@ -8,11 +8,17 @@ exactly the call the serial path makes (``fit_reward_model`` with the same param
 do not depend on which path trained it (tests/rlhf_core/trainers/test_rm_parallel.py compares them).
 
 Forked, not spawned, where that is safe (``start_method``): a spawned worker imports torch, transformers and
-DeepSpeed again, ~10 s before its first step (docs/results/demo.md). The stage's process forks before it has run
-a tensor operation (it has read its params, opened its MLflow run and imported modules): a copy of a process
-whose OpenMP thread pool has started can hang in its first parallel region. ``before_start`` may import more
-(the model's transformers modules), never compute. No CUDA exists (``worker_count``); a process group may, in
-a caller that trained in-process before (the tests): then the workers are spawned.
+DeepSpeed again, ~10 s before its first step (docs/results/demo.md). Two things make a forked copy hang, and
+with either the workers are spawned:
+
+- a worker with more than one thread, when this process has started its OpenMP thread pool (a tensor
+  operation on several threads): the copy waits in its first parallel region for threads it does not have
+  (measured: a 2-thread matmul in the parent, then one in the child, hangs; one thread in the child does not);
+- a torch.distributed process group in this process (a caller that trained in-process before, as the tests
+  do): the copy hangs in its first collective, DeepSpeed's broadcast of the model.
+
+No CUDA exists here (``worker_count``). ``before_start`` runs before the fork and may import (the model's
+transformers modules, which the workers then inherit), never compute.
 
 The stage's process stays the one that logs and answers signals:
 
@@ -72,11 +78,11 @@ def worker_count(requested: int, threads: int, jobs: int, world_size: int, cuda:
     return max(1, min(n, jobs))
 
 
-def start_method() -> str:
-    """``fork`` (the workers inherit this process's imports), unless this process has a torch.distributed process
-    group: a forked copy of one hangs in its first collective (DeepSpeed's broadcast of the model), so then
-    ``spawn``."""
-    return "spawn" if dist.is_available() and dist.is_initialized() else "fork"
+def start_method(threads_per_worker: int) -> str:
+    """``fork`` (the workers inherit this process's imports) when each worker trains on one thread and this
+    process has no torch.distributed group; ``spawn`` otherwise (the module's docstring says why)."""
+    grouped = dist.is_available() and dist.is_initialized()
+    return "fork" if threads_per_worker == 1 and not grouped else "spawn"
 
 
 def with_prefix(log: LogFn | None, prefix: str) -> LogFn | None:
@@ -124,7 +130,7 @@ def fit_side_by_side(fit: FitFn, jobs: list[Job], root: Path, log: LogFn | None,
     """Run ``fit(params, root, role, log)`` for each of ``jobs`` in ``workers`` processes (``fit``: a module-level
     function, which the workers import by name); their metrics in job order. Raises the first job's error (after
     the other workers checkpointed and stopped) or, after a SIGTERM, ``StopRequested``."""
-    ctx = mp.get_context(start_method())
+    ctx = mp.get_context(start_method(max(p.compute.num_threads for p, _, _ in jobs)))  # 0: every core
     log_queue, first_saved = ctx.Queue(), ctx.Event()
     finished: set[int] = set()
 

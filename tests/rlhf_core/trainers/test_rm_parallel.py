@@ -43,12 +43,14 @@ def _weights(d: Path) -> dict[str, torch.Tensor]:
 FRESH_PROCESS = """
 import json, sys
 from pathlib import Path
+from rlhf_core.trainers import rm_parallel
 from rlhf_core.trainers.rm import train_rm
-from rlhf_core.trainers.rm_parallel import start_method
 from tests.rlhf_core.trainers.test_rm import tiny_params
-rows, method = [], start_method()
+chosen, choose = [], rm_parallel.start_method
+rm_parallel.start_method = lambda threads: chosen.append(choose(threads)) or chosen[-1]  # records the choice
+rows = []
 metrics = train_rm(tiny_params(*sys.argv[2:]), Path(sys.argv[1]), lambda m, step: rows.append((step, m)))
-print(json.dumps({"start_method": method, "metrics": metrics, "rows": rows}))
+print(json.dumps({"start_method": chosen, "metrics": metrics, "rows": rows}))
 """
 
 
@@ -60,15 +62,15 @@ def train_rm_in_a_fresh_process(root: Path, *overrides: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_workers_are_forked_unless_this_process_has_a_process_group():
+def test_workers_are_forked_only_on_one_thread_each_and_without_a_process_group():
     code = ("import torch.distributed as dist\n"
             "from rlhf_core.trainers.rm_parallel import start_method\n"
-            "before = start_method()\n"
+            "before = [start_method(t) for t in (1, 2, 0)]\n"
             "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
-            "print(before, start_method())")
+            "print(*before, start_method(1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["fork", "spawn"]
+    assert out.stdout.split() == ["fork", "spawn", "spawn", "spawn"]
 
 
 def test_side_by_side_trains_the_same_models_and_logs_the_same_rows(ws, tmp_path):  # noqa: F811
@@ -80,8 +82,8 @@ def test_side_by_side_trains_the_same_models_and_logs_the_same_rows(ws, tmp_path
     run = ["rm.ensemble=3", "rm.judge=true", "rm.max_steps=6", "rm.log_every=2"]
     rows: dict[int, list] = {1: []}
     got = {1: train_rm(tiny_params(*run, "rm.parallel=1"), serial, lambda m, step: rows[1].append((step, m)))}
-    side_by_side = train_rm_in_a_fresh_process(ws, *run, "rm.parallel=2")
-    assert side_by_side["start_method"] == "fork"
+    side_by_side = train_rm_in_a_fresh_process(ws, *run, "rm.parallel=2")  # one thread each (TINY's)
+    assert side_by_side["start_method"] == ["fork"]
     got[2], rows[2] = side_by_side["metrics"], side_by_side["rows"]
     got[1] = json.loads(json.dumps(got[1]))  # as the other came: through JSON
     for sub in OUTPUTS:
