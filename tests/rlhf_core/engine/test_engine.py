@@ -239,14 +239,21 @@ def test_value_model_save_load_and_scorer(tmp_path):
     assert pr.shape == (1,)
 
 
+LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment for a child Python process: the repository importable, no launcher's keys (a bare
+    process, whatever ran this test), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
+    return env | {"PYTHONPATH": str(Path(__file__).resolve().parents[3])} | extra
+
+
 def test_a_world_of_one_neither_builds_nor_loads_the_shm_op(tmp_path):
     """A single process runs no collective between local ranks: DeepSpeed's CPU backend gets no shared-memory op
     (nothing is built in an empty ``TORCH_EXTENSIONS_DIR``) and the patched name is restored; bare and under a
     launcher's world of one. (Every engine test here trains in such a world.)"""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
-           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env(TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     code = ("import importlib; T = importlib.import_module('deepspeed.comm.torch'); original = T.build_shm_op; "
             "from rlhf_core.engine import distributed as D; D.init_distributed(); "
             "import deepspeed.comm.comm as C; "
@@ -264,9 +271,7 @@ def test_a_world_of_one_neither_builds_nor_loads_the_shm_op(tmp_path):
 def test_the_process_group_is_destroyed_when_the_process_exits():
     """torch warns on NCCL that a group left at exit can leak resources: ``init_distributed`` registers
     ``shutdown``. A check registered before it runs after it (atexit is last in, first out)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env()
     code = ("import atexit, torch.distributed as dist; "
             "atexit.register(lambda: print('at exit, initialised:', dist.is_initialized())); "
             "from rlhf_core.engine import distributed as D; D.init_distributed(); "
