@@ -30,6 +30,7 @@ from rlhf_core.algos.losses import (
     pairwise_rm_loss,
     policy_loss,
     response_logprob_sums,
+    rpo_loss,
     token_nll,
     value_loss,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "pairwise_rm_loss",
+    "rpo_loss",
     "policy_loss",
     "normalised_step_rewards",
     "process_advantages",

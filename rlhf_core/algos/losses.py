@@ -215,6 +215,23 @@ def implicit_reward(logp: torch.Tensor, ref_logp: torch.Tensor, beta: float) -> 
     return beta * (logp - ref_logp)
 
 
+def rpo_loss(
+    chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, chosen_logp: torch.Tensor,
+    chosen_tokens: torch.Tensor, alpha: float, margin: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO's loss on the implicit rewards plus the chosen responses' negative log-likelihood per token (RPO: Pang et
+    al. 2024, "Iterative Reasoning Preference Optimization"; TRL's ``rpo_alpha``)::
+
+        L = mean_i -log sigmoid(r_c,i - r_r,i - margin) + alpha * sum_i -log pi(y_c,i|x_i) / sum_i |y_c,i|
+
+    ``chosen_logp``: each chosen response's summed log-prob under the policy, ``chosen_tokens`` its token count.
+    DPO alone lowers the chosen answers' likelihood along with the rejected ones'; the NLL term holds it up.
+    ``stats``: :func:`pairwise_rm_loss`'s and ``nll``."""
+    dpo, stats = pairwise_rm_loss(chosen_rewards, rejected_rewards, margin)
+    nll = -chosen_logp.sum() / chosen_tokens.sum().clamp(min=1)
+    return dpo + alpha * nll, stats | {"nll": nll.detach()}
+
+
 def response_logprob_sums(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """``log pi(y|x)`` per row: the log-probs of the response tokens (``response_mask``, ``[B, T]`` over
     ``input_ids``) summed, the logits at ``t`` scoring token ``t + 1``. ``[B]``."""

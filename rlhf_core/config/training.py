@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlhf_core.config.base import Section
 
@@ -63,6 +63,12 @@ class RMConfig(EpochConfig):
                                                                  "step ends at its last token.")
     beta: float = Field(0.1, gt=0.0, description="`objective: dpo`: the beta of the implicit reward (DPO's "
                                                  "temperature; the reward's scale).")
+    rpo_alpha: float = Field(
+        0.0, ge=0.0, description="`objective: dpo`: weight of the chosen answers' negative log-likelihood per token "
+                                 "added to DPO's loss (RPO, Pang et al. 2024; TRL's `rpo_alpha`, 1.0 in the paper). "
+                                 "DPO alone lowers the chosen answers' likelihood with the rejected ones', and its "
+                                 "policy, the implicit reward's RL optimum, can answer worse than the init; 0: "
+                                 "plain DPO.")
     max_length: int | None = Field(
         None, ge=2, description="Tokens per chosen/rejected row; null: data limits + 2. "
                                 "A prompt this long is an error; longer responses are cut and counted.")
@@ -85,3 +91,9 @@ class RMConfig(EpochConfig):
                            "never seen by the proxy RM) into `models/judge`; its held-out accuracy is measured on "
                            "the proxy's training pairs. The evaluate stage's judge when prompts carry no answers "
                            "(`eval.judge: auto|model`). Off: `models/judge` holds only its meta file.")
+
+    @model_validator(mode="after")
+    def _rpo_needs_dpo(self) -> RMConfig:
+        if self.rpo_alpha and self.objective != "dpo":
+            raise ValueError(f"rpo_alpha {self.rpo_alpha} applies to objective dpo only, not {self.objective}")
+        return self

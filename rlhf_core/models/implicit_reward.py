@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,22 +43,32 @@ def read_beta(path: str | Path) -> float:
         raise ValueError(f"{spec}: not an implicit-reward file (a JSON object with a number `beta`): {err!r}") from err
 
 
+class PolicyScores(NamedTuple):
+    """Per row ``[B]``: the implicit reward, the policy's summed response log-prob (with gradients where enabled)
+    and the number of response tokens it sums over."""
+
+    reward: torch.Tensor
+    logp: torch.Tensor
+    tokens: torch.Tensor
+
+
 def implicit_scores(forward, adapter_off, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """``r`` of each row ``[B]``: the policy pass ``forward(...)`` (with gradients where enabled) and the reference
-    pass, the same under ``adapter_off()`` without gradients, over the same right-padded rows. ``forward``: a peft
-    model or the engine around one; ``adapter_off``: that peft model's ``disable_adapter``."""
+                    response_mask: torch.Tensor, beta: float) -> PolicyScores:
+    """``r`` of each row ``[B]`` (:class:`PolicyScores`): the policy pass ``forward(...)`` (with gradients where
+    enabled) and the reference pass, the same under ``adapter_off()`` without gradients, over the same
+    right-padded rows. ``forward``: a peft model or the engine around one; ``adapter_off``: that peft model's
+    ``disable_adapter``."""
     logits = forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logp = response_logprob_sums(logits.float(), input_ids, response_mask)
     with torch.no_grad(), adapter_off():
         ref_logits = forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         ref_logp = response_logprob_sums(ref_logits.float(), input_ids, response_mask)
-    return implicit_reward(logp, ref_logp, beta)
+    return PolicyScores(implicit_reward(logp, ref_logp, beta), logp, response_mask.sum(dim=-1))
 
 
 def implicit_scores_on_prompts(forward, adapter_off, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
                                owner: torch.Tensor, suffix_ids: torch.Tensor, suffix_mask: torch.Tensor,
-                               beta: float) -> torch.Tensor:
+                               beta: float) -> PolicyScores:
     """``implicit_scores`` of the rows ``cat(prefix_ids[owner[i]], suffix_ids[i])``: prompts ``[U, P]``
     left-padded, responses ``[B, S]`` right-padded (EOS included, ``suffix_mask``). Only the logits that score the
     responses are computed (``generation.response_logits``), and the rows of one prompt share its pass where the
@@ -75,7 +86,10 @@ def implicit_scores_on_prompts(forward, adapter_off, prefix_ids: torch.Tensor, p
     policy = logp()
     with torch.no_grad(), adapter_off():
         reference = logp()
-    return torch.empty_like(policy).index_copy_(0, order, implicit_reward(policy, reference, beta))
+    def unsort(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x).index_copy_(0, order, x)
+
+    return PolicyScores(unsort(implicit_reward(policy, reference, beta)), unsort(policy), suffix_mask.sum(dim=-1))
 
 
 def save_implicit_rm(model, directory: str | Path, beta: float) -> None:
@@ -126,7 +140,7 @@ class ImplicitRewardScorer:
         dev = self.device
         out = [implicit_scores_on_prompts(self.model, self.model.disable_adapter, b.prefix[b.first].to(dev),
                                           b.prefix_mask[b.first].to(dev), b.owner.to(dev), b.suffix.to(dev),
-                                          b.suffix_mask.to(dev), self.beta).float().cpu()
+                                          b.suffix_mask.to(dev), self.beta).reward.float().cpu()
                for b in prompt_batches(seqs, self.batch_size, self.tokenizer.pad_token_id)]
         return torch.cat(out) if out else torch.empty(0)
 

@@ -42,7 +42,7 @@ ROLES: dict[str, tuple[str, str]] = {  # role -> (pipeline_tag, one-line descrip
 KEY_PARAMS: dict[str, tuple[str, ...]] = {
     "sft": ("epochs", "lr", "lr_scheduler", "warmup_steps", "micro_batch_size", "grad_accum", "max_length",
             "packing"),
-    "rm": ("objective", "beta", "step_delimiter", "loss", "epochs", "lr", "micro_batch_size", "grad_accum",
+    "rm": ("objective", "beta", "rpo_alpha", "step_delimiter", "loss", "epochs", "lr", "micro_batch_size", "grad_accum",
            "max_length", "init_from"),
     "rlhf": ("algorithm", "reward_fns", "num_steps", "prompts_per_step", "lr", "kl_coef", "kl_estimator",
              "ptx_coef", "reward_clip", "max_new_tokens", "temperature"),

@@ -259,7 +259,8 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
              "truncated": data.truncated, "threads": threads}, state.step)
 
     state = fit(engine, plan, ResumableSampler(plan, params.project.seed, D.rank()),
-                lambda idx: collate(data, idx, pad_id), objective.loss or make_rm_loss(cfg.loss, cfg.margin, score_fn),
+                lambda idx: collate(data, idx, pad_id),
+                objective.loss(cfg) if objective.loss else make_rm_loss(cfg.loss, cfg.margin, score_fn),
                 state, ckpt,
                 log,
                 save_every=cfg.save_every, log_every=cfg.log_every, hooks=hooks)

@@ -2,6 +2,7 @@
 
     score_head   r(x, y) = w . h_T(x, y)                            a fresh head at the last token
     dpo          r(x, y) = beta * [log pi(y|x) - log pi_ref(y|x)]   DPO's implicit reward (Rafailov et al. 2023)
+                 + rm.rpo_alpha x the chosen answers' NLL per token in the loss (RPO, ``algos.rpo_loss``)
     process      r(x, y_<=k) = w . h_end(k)(x, y)                    the head at every step's end (Math-Shepherd)
 
 ``score_head`` and ``dpo`` train on ``-log sigmoid(r_chosen - r_rejected - margin)`` (``algos.pairwise_rm_loss``;
@@ -20,11 +21,18 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.algos import rpo_loss
 from rlhf_core.config import Params, RMConfig
-from rlhf_core.data.collate import PairData
+from rlhf_core.data.collate import PairData, collate_pairs
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import TrainingInputError
-from rlhf_core.models.implicit_reward import implicit_scores, implicit_scores_on_prompts, save_implicit_rm
+from rlhf_core.evaluation import shard_for_eval
+from rlhf_core.models.implicit_reward import (
+    PolicyScores,
+    implicit_scores,
+    implicit_scores_on_prompts,
+    save_implicit_rm,
+)
 from rlhf_core.models.loading import build_causal_lm, build_value_model, load_causal_lm, save_value_model
 from rlhf_core.ops import paths
 from rlhf_core.passes.values import shared_prefix_scores, worth_sharing
@@ -61,18 +69,51 @@ def head_scores(model, batch: dict, device) -> torch.Tensor:
     return model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores
 
 
-def dpo_scores(beta: float) -> ScoreFn:
-    """Each row's implicit reward ``[2B]``; ``model`` is the engine (training) or the peft model (evaluation).
-    From the batch's ``pair_layout``: each pair's prompt once, logits at the responses only."""
-    def scores(model, batch: dict, device) -> torch.Tensor:
-        peft = getattr(model, "module", model)
-        layout = pair_layout(model, batch, device, saving=False)
-        if layout is not None:
-            return implicit_scores_on_prompts(model, peft.disable_adapter, *layout, beta)
-        return implicit_scores(model, peft.disable_adapter, batch["input_ids"].to(device),
-                               batch["attention_mask"].to(device), batch["response_mask"].to(device), beta)
+def dpo_policy_scores(model, batch: dict, device, beta: float) -> PolicyScores:
+    """Each row's implicit reward, policy log-prob and token count ``[2B]``; ``model`` is the engine (training) or
+    the peft model (evaluation). From the batch's ``pair_layout``: each pair's prompt once, logits at the
+    responses only."""
+    peft = getattr(model, "module", model)
+    layout = pair_layout(model, batch, device, saving=False)
+    if layout is not None:
+        return implicit_scores_on_prompts(model, peft.disable_adapter, *layout, beta)
+    return implicit_scores(model, peft.disable_adapter, batch["input_ids"].to(device),
+                           batch["attention_mask"].to(device), batch["response_mask"].to(device), beta)
 
-    return scores
+
+def dpo_scores(beta: float) -> ScoreFn:
+    """Each row's implicit reward ``[2B]`` (:func:`dpo_policy_scores`)."""
+    return lambda model, batch, device: dpo_policy_scores(model, batch, device, beta).reward
+
+
+def dpo_loss(cfg: RMConfig) -> Callable[[object, dict], tuple[torch.Tensor, dict]]:
+    """DPO's loss on a batch's pairs, plus ``rm.rpo_alpha`` times the chosen answers' NLL (``algos.rpo_loss``)."""
+    def loss(engine, batch: dict) -> tuple[torch.Tensor, dict]:
+        scores = dpo_policy_scores(engine, batch, engine.device, cfg.beta)
+        (r_c, r_r), (logp_c, _), (n_c, _) = (x.float().chunk(2) for x in scores)
+        value, stats = rpo_loss(r_c, r_r, logp_c, n_c, cfg.rpo_alpha, cfg.margin)
+        return value, {"tokens": batch["attention_mask"].sum().float(), "accuracy": stats["accuracy"],
+                       "nll": stats["nll"]}
+
+    return loss
+
+
+@torch.no_grad()
+def eval_chosen_nll(model, data: PairData, batch_size: int, pad_id: int, device) -> dict[str, float]:
+    """``chosen_nll``: the policy's negative log-likelihood per token of the chosen answers of ``data`` (all ranks),
+    which plain DPO lets rise with the rejected answers' and RPO's term holds down."""
+    was_training = model.training
+    model.eval()
+    idx, weight = shard_for_eval(len(data))
+    sums = torch.zeros(2, dtype=torch.float64)  # -log pi summed, tokens
+    for i in range(0, len(idx), batch_size):
+        scores = dpo_policy_scores(model, collate_pairs(data, idx[i:i + batch_size], pad_id), device, 1.0)
+        logp, tokens = scores.logp.chunk(2)[0].double().cpu(), scores.tokens.chunk(2)[0].double().cpu()
+        w = weight[i:i + batch_size].double()
+        sums += torch.stack([(-logp * w).sum(), (tokens * w).sum()])
+    model.train(was_training)
+    sums = D.all_reduce_sum(sums)
+    return {"chosen_nll": float(sums[0] / sums[1].clamp(min=1))}
 
 
 def build_policy(params: Params, root: Path, init_kind: str, init_ref: Path):
@@ -107,7 +148,8 @@ class Objective:
     # None: the pairs alone, collate_pairs, the pairwise loss (rm.loss), pairwise accuracy only
     targets: Callable[[PairData, dict, object, RMConfig], PairData] | None = None  # (data, rows, tokenizer, cfg)
     collate: Callable[[PairData, torch.Tensor, int], dict] | None = None
-    loss: Callable[[object, dict], tuple[torch.Tensor, dict]] | None = None  # (engine, batch) -> (loss, stats)
+    # (rm config) -> loss(engine, batch) -> (loss, stats)
+    loss: Callable[[RMConfig], Callable[[object, dict], tuple[torch.Tensor, dict]]] | None = None
     evaluate: Callable[..., dict] | None = None  # (model, data, batch size, pad id, device) -> extra metrics
 
 
@@ -121,8 +163,9 @@ OBJECTIVES: dict[str, Objective] = {
         build=build_policy,
         scores=lambda cfg: dpo_scores(cfg.beta),
         save=lambda params, pad_id: lambda m, d: save_implicit_rm(m, d, params.rm.beta),
-        describe=lambda cfg: f"implicit reward {cfg.beta} * [log pi(y|x) - log pi_ref(y|x)]",
-        check=check_dpo),
+        describe=lambda cfg: f"implicit reward {cfg.beta} * [log pi(y|x) - log pi_ref(y|x)]" + (
+            f", trained with the chosen answers' NLL x {cfg.rpo_alpha} (RPO)" if cfg.rpo_alpha else ""),
+        check=check_dpo, loss=dpo_loss, evaluate=eval_chosen_nll),
     "process": Objective(
         build=lambda params, root, kind, ref: build_value_model(params, root, kind, ref),
         scores=lambda cfg: head_scores,
@@ -131,5 +174,5 @@ OBJECTIVES: dict[str, Objective] = {
                              "sigmoid = P(the chain is still right); the outcome score is the last step's",
         check=rm_process.check_process,
         targets=lambda data, rows, tok, cfg: rm_process.with_step_labels(data, rows, tok, cfg.step_delimiter),
-        collate=rm_process.collate_steps, loss=rm_process.step_loss, evaluate=rm_process.eval_steps),
+        collate=rm_process.collate_steps, loss=lambda cfg: rm_process.step_loss, evaluate=rm_process.eval_steps),
 }

@@ -412,6 +412,23 @@ def test_dpo_is_the_pairwise_loss_on_implicit_rewards():
     close(stats["accuracy"], 1.0)
 
 
+def test_rpo_adds_the_chosen_answers_nll_per_token_to_dpo():
+    """Chosen rewards 0 and 1 against rejected 0: DPO = [ln 2 + ln(1 + e^-1)] / 2; the chosen answers sum to
+    -2 and -4 nats over 2 and 3 tokens: NLL per token 6 / 5 = 1.2, weighted by alpha 0.5."""
+    from rlhf_core.algos import rpo_loss
+
+    chosen, rejected = torch.tensor([0.0, 1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    logp, tokens = torch.tensor([-2.0, -4.0], dtype=torch.float64), torch.tensor([2, 3])
+    dpo = (math.log(2.0) + math.log1p(math.exp(-1.0))) / 2
+    loss, stats = rpo_loss(chosen, rejected, logp, tokens, alpha=0.5)
+    close(loss, dpo + 0.5 * 1.2)
+    close(stats["nll"], 1.2)
+    close(stats["accuracy"], 0.5)  # a tie is not a win
+    close(rpo_loss(chosen, rejected, logp, tokens, alpha=0.0)[0], dpo)
+    close(rpo_loss(chosen, rejected, logp, tokens, alpha=1.0, margin=1.0)[0],
+          (math.log1p(math.exp(1.0)) + math.log(2.0)) / 2 + 1.2)
+
+
 def test_pairwise_rm_loss():
     chosen = t([2.0, 0.0], requires_grad=True)
     rejected = t([1.0, 1.0])

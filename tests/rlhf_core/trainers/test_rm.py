@@ -408,6 +408,26 @@ def test_rm_dpo_objective_without_lora_names_the_keys(ws):
         train_rm(tiny_params("rm.objective=dpo", "compute.lora.enabled=true", "rm.loss=divergence"), ws)
 
 
+def test_rpo_holds_the_chosen_answers_likelihood_that_plain_dpo_lets_fall(ws):
+    """``rm.rpo_alpha``: the same DPO training with the chosen answers' NLL in the loss ends with a lower
+    held-out NLL of the chosen answers (``chosen_nll``, measured before and after) than plain DPO, whose
+    likelihoods fall with the rejected ones', and both still rank the held-out pairs."""
+    from rlhf_core.trainers.rm import train_rm
+
+    common = ("rm.objective=dpo", "rm.beta=0.1", "compute.lora.enabled=true", "compute.lora.r=8", "rm.epochs=8",
+              "rm.lr=0.005", "rm.resume=false")
+    plain = train_rm(tiny_params(*common), ws)
+    rpo = train_rm(tiny_params(*common, "rm.rpo_alpha=1.0"), ws)
+    assert plain["chosen_nll_before"] == pytest.approx(rpo["chosen_nll_before"])  # the same SFT start
+    assert plain["chosen_nll"] > plain["chosen_nll_before"], plain  # DPO's likelihood displacement
+    assert rpo["chosen_nll"] < plain["chosen_nll"] - 0.1, (rpo, plain)
+    assert min(plain["accuracy"], rpo["accuracy"]) >= 0.7, (plain, rpo)
+    assert "| `rm.rpo_alpha` | 1 |" in (ws / "models" / "rm" / "README.md").read_text()
+    assert json.loads((ws / "models" / "rm" / "rlhf_meta.json").read_text())["score"].endswith("NLL x 1.0 (RPO)")
+    with pytest.raises(ValueError, match="rpo_alpha 1.0 applies to objective dpo only, not score_head"):
+        tiny_params("rm.rpo_alpha=1.0")
+
+
 def test_the_implicit_reward_on_shared_prompts_equals_the_full_rows_with_their_gradients():
     """DPO's implicit reward from the pair layout (each prompt once, logits at the response positions only:
     ``implicit_scores_on_prompts``) equals ``implicit_scores`` over the full right-padded rows, rewards and the
@@ -434,14 +454,17 @@ def test_the_implicit_reward_on_shared_prompts_equals_the_full_rows_with_their_g
 
     def run(fn):
         peft.zero_grad()
-        r = fn()
-        (r * torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=r.dtype)).sum().backward()
-        return r.detach(), [p.grad.clone() for p in peft.parameters() if p.requires_grad]
+        s = fn()
+        w = torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=s.reward.dtype)
+        ((s.reward + 0.3 * s.logp) * w).sum().backward()  # the reward and RPO's NLL term
+        return s, [p.grad.clone() for p in peft.parameters() if p.requires_grad]
 
     full, full_grads = run(lambda: implicit_scores(peft, peft.disable_adapter, ids, mask, response, 0.1))
     shared, shared_grads = run(lambda: implicit_scores_on_prompts(peft, peft.disable_adapter, prefix, prefix_mask,
                                                                   owner, suffix, suffix_mask, 0.1))
-    assert full.abs().min() > 1e-4  # the adapter moves every row
-    torch.testing.assert_close(shared, full, atol=1e-10, rtol=1e-8)
+    assert full.reward.abs().min() > 1e-4  # the adapter moves every row
+    torch.testing.assert_close(shared.reward.detach(), full.reward.detach(), atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(shared.logp.detach(), full.logp.detach(), atol=1e-10, rtol=1e-8)
+    assert shared.tokens.tolist() == full.tokens.tolist() == [3, 1, 2, 3]
     for a, b in zip(shared_grads, full_grads, strict=True):  # the rotary tables are float32 even here
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
