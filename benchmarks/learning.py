@@ -38,7 +38,7 @@ LINKED = ("data", "models/sft", "models/rm", "models/base", "params.yaml")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
                 "CROSS_SIZE", "GROUP_RANK")
 REPORTED = ("sft_accuracy", "accuracy", "accuracy_gain", "proxy_reward", "sft_proxy_reward", "kl_to_reference",
-            "eos_share", "train_time_s", "wall_time_s")
+            "eos_share", "train_time_s", "wall_time_s", "sft_step_accuracy", "step_accuracy")
 
 
 @dataclass(frozen=True)
@@ -147,31 +147,33 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "acc_max": acc[3], "seeds": [r["seed"] for r in ok],
                 "acc_by_seed": [round(100 * r["accuracy"], 1) for r in ok]}
         for key in ("sft_accuracy", "accuracy_gain", "proxy_reward", "sft_proxy_reward", "kl_to_reference",
-                    "train_time_s"):
+                    "train_time_s", "sft_step_accuracy", "step_accuracy"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             if vals:
-                line[key] = sum(vals) / len(vals) * (100 if key in ("sft_accuracy", "accuracy_gain") else 1)
+                line[key] = sum(vals) / len(vals) * (1 if key in ("proxy_reward", "sft_proxy_reward",
+                                                                   "kl_to_reference", "train_time_s") else 100)
         out.append(line)
     return out
 
 
 def render(summary: list[dict]) -> str:
     head = ("| variant | runs | held-out acc. mean ± std (min-max) | per seed | gain | proxy (SFT -> actor) | KL | "
-            "train s |")
-    lines = [head, "|" + "---|" * 8]
+            "train s | step acc. (SFT -> actor) |")
+    lines = [head, "|" + "---|" * 9]
 
     def f(x, p=1):
         return "—" if x is None else f"{x:.{p}f}"
 
     for s in summary:
         if not s["runs"]:
-            lines.append(f"| {s['variant']} | 0 ({s['failed']} failed) | | | | | | |")
+            lines.append(f"| {s['variant']} | 0 ({s['failed']} failed) | | | | | | | |")
             continue
         proxy = f"{f(s.get('sft_proxy_reward'), 2)} -> {f(s.get('proxy_reward'), 2)}"
         lines.append(f"| {s['variant']} | {s['runs']} | {s['acc_mean']:.1f} ± {s['acc_std']:.1f} "
                      f"({s['acc_min']:.1f}-{s['acc_max']:.1f}) | {' / '.join(map(str, s['acc_by_seed']))} | "
                      f"{f(s.get('accuracy_gain'))} | {proxy} | {f(s.get('kl_to_reference'), 2)} | "
-                     f"{f(s.get('train_time_s'), 0)} |")
+                     f"{f(s.get('train_time_s'), 0)} | "
+                     f"{f(s.get('sft_step_accuracy'))} -> {f(s.get('step_accuracy'))} |")
     return "\n".join(lines)
 
 

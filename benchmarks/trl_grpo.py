@@ -42,7 +42,7 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_core.data.tokenizer import load_tokenizer
-    from rlhf_core.evaluation import heldout_eval
+    from rlhf_core.evaluation import heldout_eval, step_judge
     from rlhf_core.ops import paths
     from rlhf_core.ops.atomic import write_json_atomic
     from rlhf_core.rewards.sources import RewardSources
@@ -77,7 +77,8 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     n_mini = rows // per_step  # optimizer steps per generation batch, as ours
     model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL)
     ref = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL).eval()
-    sft_eval = heldout_eval(model, tok, held, params.eval, "cpu", reward=reward)
+    steps = step_judge(params)
+    sft_eval = heldout_eval(model, tok, held, params.eval, "cpu", reward=reward, step_judge=steps)
 
     class Timer(TrainerCallback):
         train_s = 0.0
@@ -112,7 +113,7 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tok,
                           callbacks=[timer], peft_config=peft_config)
     trainer.train()
-    final = heldout_eval(trainer.model, tok, held, params.eval, "cpu", ref=ref, reward=reward)
+    final = heldout_eval(trainer.model, tok, held, params.eval, "cpu", ref=ref, reward=reward, step_judge=steps)
     metrics = {
         "framework": f"trl {trl.__version__}", "algorithm": "grpo", "steps": cfg.num_steps,
         "optimizer_steps": trainer.state.global_step, "sft_accuracy": sft_eval["accuracy"],
@@ -120,6 +121,8 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
         "proxy_reward": final["proxy_reward"], "sft_proxy_reward": sft_eval["proxy_reward"],
         "kl_to_reference": final["kl_to_reference"], "eos_share": final["eos_share"],
         "train_time_s": round(timer.train_s, 3), "wall_time_s": round(time.perf_counter() - t_start, 2),
+        **({"sft_step_accuracy": sft_eval["step_accuracy"], "step_accuracy": final["step_accuracy"]}
+           if steps is not None else {}),
     }
     write_json_atomic(root / paths.METRICS / "rlhf.json", metrics)
     return metrics

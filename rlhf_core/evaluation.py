@@ -78,13 +78,24 @@ def sequence_kl(model, ref_model, batch, batch_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def step_judge(params):
+    """The step judge of ``params``' task, ``(completion, prompt) -> share of the solution's steps right``: the
+    multi-step task's (``rewards.multistep.step_accuracy``), or None where the task labels no steps."""
+    if params.data.source != "multistep":
+        return None
+    from rlhf_core.rewards.multistep import step_accuracy
+
+    return step_accuracy
+
+
 def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=None, temperature: float = 0.0,
-                 synced_gpus: bool = False) -> dict[str, float]:
+                 synced_gpus: bool = False, step_judge=None) -> dict[str, float]:
     """``accuracy`` (the checker on ``data.answers``; 0 without answers), ``eos_share``, ``response_length``,
-    with a ``reward`` the mean ``proxy_reward``, with a ``ref`` the exact ``kl_to_reference``; ``ev`` gives
-    ``max_new_tokens`` and ``batch_size``. Reduced over ranks."""
+    with a ``reward`` the mean ``proxy_reward``, with a ``ref`` the exact ``kl_to_reference``, with a
+    ``step_judge(completion, prompt) -> [0, 1]`` its mean ``step_accuracy``; ``ev`` gives ``max_new_tokens`` and
+    ``batch_size``. Reduced over ranks."""
     check_answer = get_checker(ev.checker)
-    sums = torch.zeros(6, dtype=torch.float64)  # correct, eos, length, kl, proxy reward, n
+    sums = torch.zeros(7, dtype=torch.float64)  # correct, eos, length, kl, proxy reward, n, right steps
     for rows, w, roll in answer_batches(model, tokenizer, data, ev.batch_size, ev.max_new_tokens, temperature,
                                         synced_gpus):
         answers = [data.answers[j] for j in rows.tolist()] if data.answers is not None else None
@@ -100,8 +111,10 @@ def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=N
             on_device = Rollout(roll.prompt_ids.to(device), roll.prompt_mask.to(device), roll.responses.to(device),
                                 roll.action_mask.to(device), roll.texts)
             kl = sequence_kl(model, ref, on_device, ev.batch_size).double().cpu()
+        steps = torch.tensor([step_judge(t, data.prompts[j]) for t, j in zip(roll.texts, rows.tolist(), strict=True)]
+                             if step_judge is not None else [0.0] * len(rows), dtype=torch.float64)
         sums += torch.stack([(ok * w).sum(), (roll.ended.double() * w).sum(), (length * w).sum(), (kl * w).sum(),
-                             (proxy * w).sum(), w.sum()])
+                             (proxy * w).sum(), w.sum(), (steps * w).sum()])
     sums = D.all_reduce_sum(sums)
     n = float(sums[5].clamp(min=1))
     out = {"accuracy": float(sums[0]) / n, "eos_share": float(sums[1]) / n, "response_length": float(sums[2]) / n}
@@ -109,6 +122,8 @@ def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=N
         out["proxy_reward"] = float(sums[4]) / n
     if ref is not None:
         out["kl_to_reference"] = float(sums[3]) / n
+    if step_judge is not None:
+        out["step_accuracy"] = float(sums[6]) / n
     return out
 
 

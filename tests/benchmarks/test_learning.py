@@ -29,7 +29,8 @@ def test_variant_parse():
 def test_summary_mean_spread_by_hand():
     assert mean_spread([70.0, 80.0, 90.0]) == (80.0, 10.0, 70.0, 90.0)  # sample std: sqrt(200 / 2)
     rows = [{"variant": "a", "seed": s, "rc": 0, "accuracy": acc, "sft_accuracy": 0.5, "accuracy_gain": acc - 0.5,
-             "kl_to_reference": 0.2, "train_time_s": 10.0} for s, acc in ((1, 0.7), (2, 0.8), (3, 0.9))]
+             "kl_to_reference": 0.2, "train_time_s": 10.0, "sft_step_accuracy": 0.4, "step_accuracy": acc - 0.2}
+            for s, acc in ((1, 0.7), (2, 0.8), (3, 0.9))]
     rows.append({"variant": "b", "seed": 1, "rc": 1})
     a, b = summarise(rows)
     assert a["runs"] == 3 and a["acc_mean"] == pytest.approx(80.0) and a["acc_std"] == pytest.approx(10.0)
@@ -37,6 +38,7 @@ def test_summary_mean_spread_by_hand():
     assert b == {"variant": "b", "runs": 0, "failed": 1}
     table = render([a, b])
     assert "| a | 3 | 80.0 ± 10.0 (70.0-90.0) | 70.0 / 80.0 / 90.0 | 30.0 |" in table and "| b | 0 (1 failed)" in table
+    assert a["step_accuracy"] == pytest.approx(60.0) and table.splitlines()[2].endswith("| 40.0 -> 60.0 |")
 
 
 def test_rm_build_names_the_weights_and_the_ensemble_not_the_metadata(tmp_path):

@@ -101,6 +101,8 @@ def heldout_summary(before: dict, final: dict, ema_eval: dict | None, kl_bound: 
         "kl_within_bound": (final["kl_to_reference"] <= kl_bound) if final else None,
         "eos_share": final.get("eos_share"), "response_length": final.get("response_length"),
         "sft_eos_share": before.get("eos_share"), "ema_accuracy": ema_eval["accuracy"] if ema_eval else None,
+        **({"sft_step_accuracy": before.get("step_accuracy"), "step_accuracy": final.get("step_accuracy")}
+           if "step_accuracy" in final else {}),
     }
 
 

@@ -37,7 +37,7 @@ from rlhf_core.engine import distributed as D
 from rlhf_core.engine.errors import NonFiniteLossError
 from rlhf_core.engine.loop import LogFn, TrainState
 from rlhf_core.engine.stop import StopRequested, stop_requested
-from rlhf_core.evaluation import heldout_eval
+from rlhf_core.evaluation import heldout_eval, step_judge
 from rlhf_core.ops import paths, tracking
 from rlhf_core.trainers.common import fingerprint, input_hashes, resume_or_start
 from rlhf_core.trainers.rlhf.algorithms import compute_advantages
@@ -304,7 +304,8 @@ class RLHFTrainer:
         ``with_kl``, the exact KL to its reference."""
         b = self.bundle
         return heldout_eval(model, b.tokenizer, b.prompts.heldout, self.params.eval, b.device,
-                            ref=b.ref if with_kl else None, reward=b.reward, synced_gpus=b.gen.synced_gpus)
+                            ref=b.ref if with_kl else None, reward=b.reward, synced_gpus=b.gen.synced_gpus,
+                            step_judge=step_judge(self.params))
 
     def finish(self) -> dict:
         """Final evaluation, models (actor, critic, EMA) in HF format, metrics and plots (rank 0 writes)."""

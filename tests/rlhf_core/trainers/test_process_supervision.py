@@ -395,6 +395,36 @@ def test_evaluate_reports_step_accuracy_and_the_gate_reads_it(with_prm, tmp_path
     assert check.passed and check.value == 0.0
 
 
+def test_the_rl_stages_held_out_eval_reports_step_accuracy_on_the_multistep_task(with_prm):
+    """The RL stage's held-out evaluation (and TRL's in the benchmark, the same function) judges every step on
+    the multi-step task (``step_judge``: ``rewards.multistep.step_accuracy``; none on another task):
+    ``step_accuracy`` is the weighted mean of the judge over the greedy answers, each with its own prompt. A
+    judge that scores the prompt's position (1 on odd ones) makes a misrouted prompt or a double count show."""
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.evaluation import heldout_eval, step_judge
+    from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.rewards.multistep import step_accuracy
+    from rlhf_core.trainers.rlhf.inputs import load_prompts
+    from tests.tiny import TINY_DEMO, tiny_params
+
+    params = _prm_params("rlhf.reward_fns={rm: 1.0}", "eval.batch_size=5")
+    assert step_judge(params) is step_accuracy and step_judge(tiny_params(TINY_DEMO)) is None
+    tok = load_tokenizer(with_prm / "models/sft")
+    model = load_causal_lm(with_prm / "models/sft")
+    held = load_prompts(params, with_prm, tok).heldout
+    seen = []
+
+    def judge(answer: str, prompt: str) -> float:
+        seen.append(prompt)
+        return float(held.prompts.index(prompt) % 2)
+
+    out = heldout_eval(model, tok, held, params.eval, "cpu", step_judge=judge)
+    n = len(held.prompts)
+    assert sorted(seen) == sorted(held.prompts) and n >= 3
+    assert out["step_accuracy"] == pytest.approx((n // 2) / n)
+    assert "step_accuracy" not in heldout_eval(model, tok, held, params.eval, "cpu")
+
+
 def test_ppo_process_supervision_needs_gae(tmp_path):
     from rlhf_core.config import ConfigError, load_params
 
