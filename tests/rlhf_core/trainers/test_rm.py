@@ -408,6 +408,7 @@ def test_rm_dpo_objective_without_lora_names_the_keys(ws):
         train_rm(tiny_params("rm.objective=dpo", "compute.lora.enabled=true", "rm.loss=divergence"), ws)
 
 
+@pytest.mark.slow
 def test_rpo_holds_the_chosen_answers_likelihood_that_plain_dpo_lets_fall(ws):
     """``rm.rpo_alpha``: the same DPO training with the chosen answers' NLL in the loss ends with a lower
     held-out NLL of the chosen answers (``chosen_nll``, measured before and after) than plain DPO, whose
