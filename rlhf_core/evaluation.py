@@ -22,6 +22,7 @@ from rlhf_core.data.collate import Ragged, left_pad_prompts
 from rlhf_core.engine import distributed as D
 from rlhf_core.passes.generation import GenerationConfig, Rollout, response_logits, rollout
 from rlhf_core.rewards import get_checker
+from rlhf_core.rewards.multistep import step_accuracy
 
 
 @dataclass
@@ -81,11 +82,7 @@ def sequence_kl(model, ref_model, batch, batch_size: int) -> torch.Tensor:
 def step_judge(params):
     """The step judge of ``params``' task, ``(completion, prompt) -> share of the solution's steps right``: the
     multi-step task's (``rewards.multistep.step_accuracy``), or None where the task labels no steps."""
-    if params.data.source != "multistep":
-        return None
-    from rlhf_core.rewards.multistep import step_accuracy
-
-    return step_accuracy
+    return step_accuracy if params.data.source == "multistep" else None
 
 
 def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=None, temperature: float = 0.0,
