@@ -86,6 +86,7 @@ def implicit_scores_on_prompts(forward, adapter_off, prefix_ids: torch.Tensor, p
     policy = logp()
     with torch.no_grad(), adapter_off():
         reference = logp()
+
     def unsort(x: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x).index_copy_(0, order, x)
 
