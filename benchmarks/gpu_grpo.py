@@ -8,10 +8,10 @@ words of the completion (``bench_even_words``: the share of even-numbered words)
 every row trains. Each verb runs in its own process, so that peak memory is its own::
 
     python -m benchmarks.gpu_grpo workspace --root W     # the model, a word-level tokenizer, prepared prompts
-    python -m benchmarks.gpu_grpo decode --root W        # the rollout by engine: generate, static, static+graph
-    python -m benchmarks.gpu_grpo ours --root W [--engine static|generate]
+    python -m benchmarks.gpu_grpo decode --root W [--engines generate,static_eager,static,static_compiled]
+    python -m benchmarks.gpu_grpo ours --root W [--engine static|generate] [--set rlhf.rollout_compile=false ...]
     python -m benchmarks.gpu_grpo trl --root W
-    python -m benchmarks.gpu_grpo profile --root W       # the top kernels and ops of a few generate decode steps
+    python -m benchmarks.gpu_grpo profile --root W [--engines static_compiled]   # top kernels of a few steps
     python -m benchmarks.gpu_grpo score --root W [--forward-batch N]   # the reference pass alone: time, memory
 
 Every verb prints one JSON row. The script that runs them all on a GPU machine is
@@ -71,12 +71,30 @@ def decode_bound_s(model, rows: int, prompt_len: int, new_tokens: int, bandwidth
     return (new_tokens * weights + kv) / bandwidth
 
 
-def bench_decode(root: Path, repeats: int = 2) -> dict:
+ENGINES = ("generate", "static_eager", "static", "static_compiled")
+
+
+def sampler(engine: str, model, tok, ids, mask, new_tokens: int, group: int, compile: bool = False):
+    """A function that samples ``new_tokens`` (EOS banned) after every row with ``engine``: ``generate`` (the
+    rollout, texts decoded too: a few ms), or the static decoder without its graph, with it, or with its
+    forward compiled as well (``compile``: also without the graph)."""
+    from rlhf_core.passes.generation import GenerationConfig, rollout
+    from rlhf_core.passes.static_decode import static_rollout
+
+    if engine == "generate":
+        gen = GenerationConfig(new_tokens, min_new_tokens=new_tokens, engine="generate")
+        return lambda: rollout(model, ids, mask, tok, gen, group_size=group).responses
+    cuda = next(model.parameters()).device.type == "cuda"
+    graph, compiled = engine != "static_eager" and cuda, compile or engine == "static_compiled"
+    return lambda: static_rollout(model, ids, mask, new_tokens, tok.eos_token_id, tok.pad_token_id,
+                                  min_new_tokens=new_tokens, group_size=group, use_graph=graph,
+                                  compile=compiled)[0]
+
+
+def bench_decode(root: Path, repeats: int = 2, engines: tuple[str, ...] = ENGINES) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlhf_core.ops import paths
-    from rlhf_core.passes.generation import GenerationConfig, rollout
-    from rlhf_core.passes.static_decode import static_rollout
 
     _, work = read_workspace(root)
     tok, ids, mask = rollout_inputs(root, work)
@@ -84,16 +102,9 @@ def bench_decode(root: Path, repeats: int = 2) -> dict:
     model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL, dtype=dtype()).to(dev).eval()
     R = work["new_tokens"]
     out = {"verb": "decode", "rows": ids.shape[0], "prompt_len": ids.shape[1], "new_tokens": R, "engines": {}}
-    for engine in ("generate", "static_eager", "static"):
-        gen = GenerationConfig(R, min_new_tokens=R, engine="generate")
-
-        def sample(engine=engine, gen=gen):
-            if engine == "generate":  # the rollout (texts decoded too: a few ms)
-                return rollout(model, ids, mask, tok, gen, group_size=work["group"]).responses
-            return static_rollout(model, ids, mask, R, tok.eos_token_id, tok.pad_token_id, min_new_tokens=R,
-                                  group_size=work["group"], use_graph=engine == "static" and dev.type == "cuda")[0]
-
-        times = []
+    for engine in engines:
+        sample = sampler(engine, model, tok, ids, mask, R, work["group"])
+        times, first = [], 0.0
         torch.manual_seed(0)
         for i in range(repeats + 1):
             sync()
@@ -102,9 +113,11 @@ def bench_decode(root: Path, repeats: int = 2) -> dict:
             sync()
             if i:
                 times.append(time.perf_counter() - t0)
+            else:
+                first = time.perf_counter() - t0
         s = sum(times) / len(times)
         out["engines"][engine] = {"s": s, "tokens_per_s": ids.shape[0] * R / s, "ms_per_step": 1000 * s / R,
-                                  "times": times, "response_len": responses.shape[1]}
+                                  "times": times, "first_call_s": first, "response_len": responses.shape[1]}
     bw = copy_bandwidth()
     if bw:
         out["copy_bandwidth_tb_s"] = bw / 1e12
@@ -113,27 +126,28 @@ def bench_decode(root: Path, repeats: int = 2) -> dict:
     return out
 
 
-def bench_profile(root: Path, steps: int = 16) -> dict:
-    """The torch profiler over a ``generate`` rollout of ``steps`` tokens: the top ops by device and host time."""
+def bench_profile(root: Path, engine: str = "generate", steps: int = 16) -> dict:
+    """The torch profiler over a rollout of ``steps`` tokens by ``engine`` (a static one runs without its graph,
+    so that each kernel shows): the top ops by device and host time."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
     from rlhf_core.ops import paths
-    from rlhf_core.passes.generation import GenerationConfig, rollout
 
     _, work = read_workspace(root)
     tok, ids, mask = rollout_inputs(root, work)
     model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL, dtype=dtype()).to(device()).eval()
-    gen = GenerationConfig(steps, min_new_tokens=steps, engine="generate")
-    rollout(model, ids, mask, tok, gen, group_size=work["group"])
+    sample = sampler("generate" if engine == "generate" else "static_eager", model, tok, ids, mask, steps,
+                     work["group"], compile=engine == "static_compiled")
+    sample()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        rollout(model, ids, mask, tok, gen, group_size=work["group"])
+        sample()
         sync()
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
     host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    return {"verb": "profile", "steps": steps, "by_device": table, "by_host": host}
+    return {"verb": "profile", "engine": engine, "steps": steps, "by_device": table, "by_host": host}
 
 
 # --------------------------------------------------------------------------- the scoring pass alone
@@ -204,11 +218,11 @@ class PhasePeaks:
             self.peaks[name] = max(self.peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
 
 
-def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1) -> dict:
+def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1, settings: tuple[str, ...] = ()) -> dict:
     from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
 
     shape, work = read_workspace(root)
-    params = workspace_params(root, shape, work, engine)
+    params = workspace_params(root, shape, work, engine, settings)
     trainer = RLHFTrainer(params, root, evaluate=False, checkpoints=False).setup()
     trainer.maker.cfg.gen = replace(trainer.maker.cfg.gen, min_new_tokens=work["new_tokens"])
     for _ in range(warmup):
@@ -223,7 +237,8 @@ def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1) ->
         phases.close("train")
         overall = max(overall, *phases.peaks.values()) if phases.peaks else overall
     mean = {k: sum(r[k] for r in runs) / len(runs) for k in ("t_generate", "t_score", "t_train", "t_step", "rows")}
-    return {"verb": "ours", "engine": engine, "iterations": iterations, "rows": mean["rows"],
+    return {"verb": "ours", "engine": engine, "settings": list(settings), "iterations": iterations,
+            "rows": mean["rows"],
             "s_per_iteration": mean["t_step"], "samples_per_s": mean["rows"] / mean["t_step"],
             "generate_s": mean["t_generate"], "score_ref_s": mean["t_score"], "train_s": mean["t_train"],
             "step_times_s": [r["t_step"] for r in runs], "peak_gib": overall if phases.on else None,
@@ -277,6 +292,9 @@ def main() -> None:
     ap.add_argument("--engine", default="static", choices=["static", "generate", "auto"])
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp32"], help="TRL's model weights.")
     ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="decode, profile: engines, comma-separated")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="ours: a params override on top of the workload's (repeatable)")
     ap.add_argument("--forward-batch", type=int, default=0, help="score: rows per pass (0: all at once)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="score: the model's dtype")
     ap.add_argument("--rows", type=int, default=400, help="workspace: pairwise rows (about 80 %% become prompts)")
@@ -290,13 +308,13 @@ def main() -> None:
         row = build_workspace(a.root, shape, work, a.rows)
         (a.root / "bench.json").write_text(json.dumps({"shape": shape, "workload": work}))
     elif a.verb == "decode":
-        row = bench_decode(a.root, a.iterations)
+        row = bench_decode(a.root, a.iterations, tuple(a.engines.split(",")))
     elif a.verb == "profile":
-        row = bench_profile(a.root)
+        row = bench_profile(a.root, a.engines.split(",")[0])
     elif a.verb == "score":
         row = bench_score(a.root, a.forward_batch, a.dtype)
     elif a.verb == "ours":
-        row = bench_ours(a.root, a.engine, a.iterations)
+        row = bench_ours(a.root, a.engine, a.iterations, settings=tuple(a.set))
     else:
         row = bench_trl(a.root, a.iterations, weights=a.weights)
     row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -81,7 +81,7 @@ def build_workspace(root: Path, shape: dict, work: dict, rows: int, seed: int = 
     return {"verb": "workspace", "parameters": sum(p.numel() for p in model.parameters()), **shape}
 
 
-def workspace_params(root: Path, shape: dict, work: dict, engine: str = "auto"):
+def workspace_params(root: Path, shape: dict, work: dict, engine: str = "auto", settings: tuple[str, ...] = ()):
     from rlhf_core.config import apply_overrides, validate
 
     n_per_step = work["prompts"] * work["group"]
@@ -96,7 +96,7 @@ def workspace_params(root: Path, shape: dict, work: dict, engine: str = "auto"):
         f"rlhf.micro_batch_size={work['micro_batch']}", f"rlhf.grad_accum={n_per_step // work['micro_batch']}",
         "rlhf.ppo_epochs=1", "rlhf.grpo.beta=0.04", "rlhf.grpo.clip_eps=0.2", "rlhf.lr=1e-6", "rlhf.warmup_steps=0",
         "rlhf.lr_scheduler=constant", "rlhf.num_steps=1000", "rlhf.reward_fns={bench_even_words: 1.0}",
-        f"rlhf.rollout_engine={engine}", "eval.max_prompts=8",
+        f"rlhf.rollout_engine={engine}", "eval.max_prompts=8", *settings,
     ]
     return validate(apply_overrides({}, overrides), origin="<bench gpu_grpo>")
 

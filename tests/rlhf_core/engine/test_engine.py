@@ -122,6 +122,19 @@ def test_ds_config_from_params():
     assert not cfg0["bf16"]["enabled"] and not cfg0["fp16"]["enabled"]
 
 
+
+def test_bf16_master_weights_and_moments():
+    """``bf16_master``: DeepSpeed's two bf16 keys in bf16, nothing in fp32 (the CPU), and ZeRO-0 refused."""
+    optim = OptimConfig(micro_batch_size=4, grad_accum=2)
+    compute = ComputeConfig(zero_stage=1, bf16_master=True)
+    assert build_ds_config(compute, optim, world_size=1, precision="bf16")["bf16"] == {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert build_ds_config(compute, optim, world_size=1, precision="fp32")["bf16"] == {"enabled": False}
+    assert build_ds_config(ComputeConfig(zero_stage=1), optim, 1, precision="bf16")["bf16"] == {"enabled": True}
+    with pytest.raises(ValueError, match="bf16_master needs zero_stage >= 1"):
+        ComputeConfig(bf16_master=True)
+
+
 def test_sampler_is_deterministic_and_sharded():
     plan = StepPlan(n_examples=10, micro_batch_size=2, grad_accum=1, world_size=2, epochs=2)
     s0, s1 = ResumableSampler(plan, seed=3, rank=0), ResumableSampler(plan, seed=3, rank=1)

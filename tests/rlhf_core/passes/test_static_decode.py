@@ -124,3 +124,40 @@ def test_refuses_rows_that_are_not_runs_of_one_prompt():
         static_rollout(_tiny_lm(), PROMPTS, mask, 4, EOS, PAD, group_size=3)
     with pytest.raises(ValueError, match="12 rows do not come in runs of 5"):
         static_rollout(_tiny_lm(), PROMPTS, mask, 4, EOS, PAD, group_size=5)
+
+
+@pytest.mark.slow
+def test_compiled_step_draws_the_same_tokens_and_compiles_once():
+    """``compile``: the model's decode forward through inductor draws, for the same seed, the tokens of the eager
+    step, with log-probs equal up to the fused kernels' rounding; a second rollout (a new cache) reuses the code,
+    which ``error_on_recompile`` would refuse."""
+    model = _eos_prone_lm()
+    mask = (PROMPTS != PAD).long()
+    settings = {"temperature": 0.7, "group_size": 4}
+    torch.manual_seed(11)
+    eager = static_rollout(model, PROMPTS, mask, 10, EOS, PAD, compile=False, **settings)
+    for _ in range(2):
+        torch.manual_seed(11)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled = static_rollout(model, PROMPTS, mask, 10, EOS, PAD, compile=True, **settings)
+        assert model.__dict__["_static_decode_forward"] is not model.forward  # no fall-back to eager
+        assert torch.equal(eager[0], compiled[0])
+        torch.testing.assert_close(eager[1], compiled[1], atol=1e-5, rtol=0)
+
+
+def test_a_compile_that_fails_falls_back_to_the_eager_step(caplog):
+    """A backend that raises: the rollout says so once and decodes eagerly, with the eager step's tokens."""
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    model = _eos_prone_lm()
+    mask = (PROMPTS != PAD).long()
+    torch.manual_seed(3)
+    eager = static_rollout(model, PROMPTS, mask, 6, EOS, PAD, compile=False)
+    model.__dict__["_static_decode_forward"] = torch.compile(model.forward, backend=failing_backend)
+    torch.manual_seed(3)
+    with caplog.at_level("WARNING", logger="rlhf_core.passes.static_decode"):
+        fallen = static_rollout(model, PROMPTS, mask, 6, EOS, PAD, compile=True)
+    assert [r.message for r in caplog.records if "decoding eagerly" in r.message] and "no compiler here" in caplog.text
+    assert torch.equal(eager[0], fallen[0]) and torch.equal(eager[1], fallen[1])
+    assert model.__dict__["_static_decode_forward"] == model.forward  # the next rollout does not try again
