@@ -128,7 +128,8 @@ def bench_decode(root: Path, repeats: int = 2, engines: tuple[str, ...] = ENGINE
 
 def bench_profile(root: Path, engine: str = "generate", steps: int = 16) -> dict:
     """The torch profiler over a rollout of ``steps`` tokens by ``engine`` (a static one runs without its graph,
-    so that each kernel shows): the top ops by device and host time."""
+    so that each kernel shows, and over the workload's full length, whose compiled code the decode verb left in
+    inductor's cache): the top ops by device and host time."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
@@ -137,6 +138,7 @@ def bench_profile(root: Path, engine: str = "generate", steps: int = 16) -> dict
     _, work = read_workspace(root)
     tok, ids, mask = rollout_inputs(root, work)
     model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL, dtype=dtype()).to(device()).eval()
+    steps = steps if engine == "generate" else work["new_tokens"]
     sample = sampler("generate" if engine == "generate" else "static_eager", model, tok, ids, mask, steps,
                      work["group"], compile=engine == "static_compiled")
     sample()
