@@ -9,7 +9,7 @@ every row trains. Each verb runs in its own process, so that peak memory is its 
 
     python -m benchmarks.gpu_grpo workspace --root W     # the model, a word-level tokenizer, prepared prompts
     python -m benchmarks.gpu_grpo decode --root W [--engines generate,static_eager,static,static_compiled]
-    python -m benchmarks.gpu_grpo ours --root W [--engine static|generate] [--set rlhf.rollout_compile=false ...]
+    python -m benchmarks.gpu_grpo ours --root W [--engine static|generate] [--set compute.bf16_master=true ...]
     python -m benchmarks.gpu_grpo trl --root W
     python -m benchmarks.gpu_grpo profile --root W [--engines static_compiled]   # top kernels of a few steps
     python -m benchmarks.gpu_grpo score --root W [--forward-batch N]   # the reference pass alone: time, memory

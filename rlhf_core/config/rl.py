@@ -106,11 +106,13 @@ class RLHFConfig(OptimConfig):
                             "needs a model whose every layer is full SDPA attention and falls back to "
                             "`generate` otherwise, and under ZeRO-3 over several processes.")
     rollout_compile: bool = Field(
-        True, description="With the `static` engine on a GPU, compile the model's decode forward "
-                          "(`torch.compile`, inductor) before the step is captured: fused kernels instead of "
-                          "dozens of small ones per layer and token; the first rollout of a run pays the compile "
-                          "(tens of seconds), and a compile that fails falls back to the eager step, said once. "
-                          "The sampling stays eager: the same tokens for a seed up to float rounding.")
+        False, description="With the `static` engine on a GPU, compile the model's decode forward "
+                           "(`torch.compile`, inductor) before the step is captured: fused elementwise kernels; the "
+                           "first rollout of a run pays the compile (tens of seconds), and a compile that fails "
+                           "falls back to the eager step, said once. The sampling stays eager: the same tokens for "
+                           "a seed up to float rounding. Off by default: slower on the GPU measured so far, "
+                           "because under compile transformers' SDPA path repeats a GQA model's KV heads "
+                           "(docs/results/benchmarks-gpu-rollout.md).")
     shared_prefix: bool = Field(
         True, description="Forward each prompt once for its group of samples (GRPO's G, PPO's "
                           "`samples_per_prompt`) in the log-prob passes, the critic's value pass and the actor's "

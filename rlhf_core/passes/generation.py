@@ -96,7 +96,7 @@ class GenerationConfig:
     min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: a fixed workload)
     record_logprobs: bool = False  # Rollout.logp: the sampled tokens' log-probs, taken while sampling
     engine: str = "auto"  # "generate", "static" (passes/static_decode.py) or "auto" (static on a GPU)
-    compile_step: bool = True  # static engine on a GPU: torch.compile the decode forward
+    compile_step: bool = False  # static engine: torch.compile the decode forward (rlhf.rollout_compile)
 
 
 class SampledLogprobs:
@@ -217,7 +217,7 @@ def _static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
         responses, logp = static_rollout(
             model, prompt_ids, prompt_mask, gen.max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
             gen.temperature, gen.top_p, gen.do_sample, gen.min_new_tokens, group_size if shares else 1,
-            compile=None if gen.compile_step else False)
+            compile=gen.compile_step)
     keep_logp = gen.record_logprobs and not gen.min_new_tokens
     return _as_rollout(prompt_ids, prompt_mask, responses.cpu(), tokenizer, logp.cpu() if keep_logp else None)
 

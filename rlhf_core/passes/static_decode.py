@@ -23,9 +23,11 @@ the same seed draws the same tokens up to float rounding between the static and 
 float32). Whether all rows finished is read every ``check_every`` steps,
 not every step (a host sync). Finished rows keep their slot (the shapes are fixed) and are cut from the output.
 
-With ``compile`` (default: on CUDA) the model's decode forward is ``torch.compile``d (inductor, static shapes)
-before the capture: the step's elementwise work (RMSNorm, rotary, SiLU x up, residual adds) runs as a few fused
-kernels instead of ~30 per layer. It is compiled once per model (:func:`compiled_forward`; the optimizer updates
+With ``compile`` the model's decode forward is ``torch.compile``d (inductor, static shapes) before the capture:
+the step's elementwise work (RMSNorm, rotary, SiLU x up, residual adds) runs as a few fused kernels instead of
+~30 per layer. It is off by default: traced, transformers' SDPA path repeats a GQA model's KV heads to the query
+heads for one query token (eagerly it groups the queries instead), which costs more than the fusion saves
+(docs/results/benchmarks-gpu-rollout.md). It is compiled once per model (:func:`compiled_forward`; the optimizer updates
 the parameters in place, so the code stays valid), and only the model: the sampling stays eager, so a seed draws
 the same tokens up to the fused kernels' float rounding. A compile that fails is reported once and the step runs
 eagerly.
@@ -223,13 +225,13 @@ def static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, m
                    eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
                    do_sample: bool = True, min_new_tokens: int = 0, group_size: int = 1,
                    use_graph: bool | None = None, check_every: int = 8,
-                   compile: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(responses [B, R'], logp [B, R'])``: tokens sampled after the left-padded ``prompt_ids`` and their
     log-probs under ``softmax(logits / T)`` (before top-p, as the trainer scores them; with ``min_new_tokens``,
     the EOS ban included),
     ``R' <= max_new_tokens`` (cut after the last row's EOS), pad after a row's EOS. ``group_size`` > 1: the rows
     come in runs of identical prompts, each prefilled once. ``use_graph`` (default: on CUDA) captures the step,
-    ``compile`` (default: on CUDA) compiles the model's forward first (module docstring).
+    ``compile`` compiles the model's forward first (module docstring).
     Runs under ``torch.inference_mode()``; the model must pass ``supports_static_decode``."""
     device = next(model.parameters()).device
     B, P = prompt_ids.shape
@@ -237,8 +239,6 @@ def static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, m
         raise ValueError(f"static_rollout: {B} rows do not come in runs of {group_size}")
     if use_graph is None:
         use_graph = device.type == "cuda"
-    if compile is None:
-        compile = device.type == "cuda"
     dtype = next(model.parameters()).dtype
     settings = {"eos_token_id": eos_token_id, "temperature": temperature, "top_p": top_p, "do_sample": do_sample,
                 "min_new_tokens": min_new_tokens}

@@ -161,3 +161,42 @@ def test_a_compile_that_fails_falls_back_to_the_eager_step(caplog):
     assert [r.message for r in caplog.records if "decoding eagerly" in r.message] and "no compiler here" in caplog.text
     assert torch.equal(eager[0], fallen[0]) and torch.equal(eager[1], fallen[1])
     assert model.__dict__["_static_decode_forward"] == model.forward  # the next rollout does not try again
+
+
+def test_traced_decode_step_repeats_the_kv_heads_which_is_why_compile_is_off(monkeypatch):
+    """Why ``rlhf.rollout_compile`` is off: for one query token, eager SDPA groups a GQA model's query heads over
+    its KV heads (key ``[B, kv, L, d]``), but the graph that ``torch.compile`` traces repeats the KV heads to the
+    query heads (key ``[B, heads, L, d]``: the whole cache copied per layer and step). Should transformers change
+    this, the test fails and the default is worth measuring again."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_core.passes.static_decode import StaticDecoder
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval()
+    settings = {"eos_token_id": 1, "temperature": 1.0, "top_p": 1.0, "do_sample": True, "min_new_tokens": 0}
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model.__dict__["_static_decode_forward"] = torch.compile(model.forward, backend=keep_graph, dynamic=False)
+    with torch.inference_mode():
+        StaticDecoder(model, 8, 4, 4, torch.device("cpu"), torch.float32, settings, PAD, use_graph=False,
+                      compile=True)
+    keys = [n.args[1].meta["example_value"].shape for g in graphs for n in g.graph.nodes
+            if "scaled_dot_product" in str(n.target)]
+    assert keys and all(k[1] == 4 for k in keys)  # repeated: 4 query heads, not 2 KV heads
+    eager_keys = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        eager_keys.append(k.shape)
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.inference_mode():
+        StaticDecoder(model, 8, 4, 4, torch.device("cpu"), torch.float32, settings, PAD, use_graph=False)._step()
+    assert eager_keys and all(k[1] == 2 for k in eager_keys)  # grouped: the 2 KV heads as they are
