@@ -179,8 +179,18 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` over the last dim: ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``.
 
     ``[B, T, V] -> [B, T]``; fp16/bf16 logits are computed in float32 and give float32. ``-inf`` logits
-    (masked vocabulary entries) contribute 0, not ``NaN``.
+    (masked vocabulary entries) contribute 0, not ``NaN``. Where no gradient is taken (the usual case: an
+    entropy that is only logged), rows go through ``LOGPROB_CHUNK_ELEMENTS // V`` at a time, so the float32
+    copy, the softmax and its product are one chunk each, not ``[B, T, V]``: the same values (per-row ops).
     """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _entropy(logits)
+    V = logits.shape[-1]
+    rows = max(1, LOGPROB_CHUNK_ELEMENTS // V)
+    return torch.cat([_entropy(c) for c in logits.reshape(-1, V).split(rows)]).view(logits.shape[:-1])
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
     z = logits.float() if logits.dtype in _LOW_PRECISION else logits
     probs = torch.softmax(z, dim=-1)
     z_finite = torch.where(probs > 0, z, torch.zeros((), dtype=z.dtype, device=z.device))

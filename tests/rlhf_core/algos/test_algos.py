@@ -446,6 +446,27 @@ def test_pairwise_rm_loss():
     close(pairwise_rm_loss(chosen, rejected, margin=1.0)[0], 1.4100375958)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_entropy_without_gradient_in_chunks_equals_one_pass(monkeypatch, dtype):
+    """Chunks of 3 rows (7 x 5 positions, vocabulary 11, one entry masked to -inf): the entropy of a one-chunk
+    pass exactly; with a gradient to keep, the whole pass (and its gradient) as before."""
+    from rlhf_core.algos import losses
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(7, 5, 11, generator=gen).to(dtype)
+    logits[0, 0, 3] = -float("inf")
+    monkeypatch.setattr(losses, "LOGPROB_CHUNK_ELEMENTS", 2**24)
+    whole = entropy_from_logits(logits)
+    monkeypatch.setattr(losses, "LOGPROB_CHUNK_ELEMENTS", 3 * 11)
+    assert torch.equal(entropy_from_logits(logits), whole) and whole.dtype == torch.float32
+    assert torch.equal(entropy_from_logits(logits[:, 1:4]), whole[:, 1:4])  # a non-contiguous slice
+    leaf = logits.clone().requires_grad_(True)
+    with_grad = entropy_from_logits(leaf)
+    assert with_grad.requires_grad and torch.equal(with_grad.detach(), whole)
+    with_grad.sum().backward()
+    assert torch.isfinite(leaf.grad).all()
+
+
 def test_half_precision_log_probs_in_chunks_equal_one_pass(monkeypatch):
     """Chunks of 3 rows (7 rows of 5 positions, vocabulary 11: a last chunk of 2) give the log-probs and gradients
     of a one-chunk pass exactly: the float32 reduction is per row."""
