@@ -60,7 +60,10 @@ class ComputeConfig(Section):
         "none", description="ZeRO offload target: optimizer state (stage >= 1) and parameters (stage 3).")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="`auto`: bf16 on GPUs that support it, fp32 on CPU.")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in backward (non-reentrant): about one more "
+                           "forward per training pass for the activation memory of a layer instead of all. RL's "
+                           "training forwards then pack groups or run whole rows, never a shared prompt cache.")
     bf16_master: bool = Field(
         False, description="With bf16 precision, keep DeepSpeed's master weights, gradients and Adam moments in "
                            "bf16 too (`bf16_master_weights_and_grads` + `bf16_optimizer_states`), as a trainer of "

@@ -118,8 +118,9 @@ class RLHFConfig(OptimConfig):
                           "`samples_per_prompt`) in the log-prob passes, the critic's value pass and the actor's "
                           "and critic's training forward: the prompt's KV cache is shared by the group's "
                           "responses (same logits, values and gradients up to float rounding, fewer FLOPs; "
-                          "docs/rlhf.md). Off under `compute.gradient_checkpointing`. RM scoring always computes "
-                          "a shared prompt once (inference only).")
+                          "docs/rlhf.md). Under `compute.gradient_checkpointing` the training forwards pack the "
+                          "groups (`pack_groups`) or run whole rows: a re-run layer cannot share a cache. RM "
+                          "scoring always computes a shared prompt once (inference only).")
     pack_groups: bool = Field(
         True, description="With `shared_prefix`, the actor's and reference's log-prob passes and the actor's "
                           "training forward pack each group's responses after its prompt in one row under a "

@@ -20,6 +20,7 @@ from rlhf_core.data import collate
 from rlhf_core.engine import distributed as D
 from rlhf_core.passes.group_packing import PACK_MAX_WIDTH, pack_groups, packed_logits, packed_width, supports_packing
 from rlhf_core.passes.prefix_cache import (
+    checkpointed,
     on_shared_prefixes,
     position_ids,
     response_lengths,
@@ -277,7 +278,8 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     ``pack`` and a model whose every layer is SDPA attention without a window (``supports_packing``), the
     group's responses packed after its prompt in one row (``group_packing``, up to ``PACK_MAX_WIDTH`` columns,
     checked before the mask is built); otherwise the prompt's KV cache indexed out to buckets of response
-    lengths (:func:`shared_prefix_logits`, ``supports_prefix_cache``); otherwise one plain forward. The same
+    lengths (:func:`shared_prefix_logits`, ``supports_prefix_cache``; not in a checkpointed training forward,
+    ``prefix_cache.checkpointed``, whose layers re-run in backward); otherwise one plain forward. The same
     logits (and gradients) at the response's masked-in positions up to float rounding, fewer FLOPs; 0 past
     them. Under ZeRO-3 over several ranks every rank takes the same path (the first that all ranks can take),
     so that all make the same forward passes.
@@ -285,7 +287,7 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
     packs = split is not None and pack and supports_packing(model) and (
         packed_width(attention_mask, response_len, split[0], split[1]) <= PACK_MAX_WIDTH)
-    shares = split is not None and supports_prefix_cache(model)
+    shares = split is not None and not checkpointed(model) and supports_prefix_cache(model)
     lockstep = D.forwards_in_lockstep(model)
     if lockstep:
         packs, shares = D.all_agree(packs, shares)
@@ -322,7 +324,7 @@ def shared_prefix_logits(model, sequences: torch.Tensor, attention_mask: torch.T
     must carry identical prompts (checked).
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group)
-    if split is None or not supports_prefix_cache(model):
+    if split is None or checkpointed(model) or not supports_prefix_cache(model):
         return None
     return _cached_prefix_logits(model, sequences, attention_mask, response_len, *split)
 

@@ -100,6 +100,16 @@ def supports_prefix_cache(model) -> bool:
                         recurrent_layers, windowed_attention)
 
 
+def checkpointed(model) -> bool:
+    """True in a forward whose layers re-run in backward (gradient checkpointing, training, gradients on) of
+    ``model`` (or the module a wrapper exposes as ``.module``): such a forward must not share a prompt's KV cache,
+    which each re-run would append to again."""
+    while not isinstance(model, torch.nn.Module) and hasattr(model, "module"):
+        model = model.module
+    return (isinstance(model, torch.nn.Module) and torch.is_grad_enabled() and model.training
+            and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()))
+
+
 def supports_cache_repeat(model) -> bool:
     """True unless a layer of ``model`` carries a state along the row (:func:`recurrent_layers`): a windowed KV
     cache repeats to rows as a full one does (``generation.prefilled_cache``); a refusal is logged once."""

@@ -7,7 +7,7 @@ import torch
 
 from rlhf_core.engine import distributed as D
 from rlhf_core.passes.generation import position_ids, shared_prefix_split
-from rlhf_core.passes.prefix_cache import on_shared_prefixes, response_lengths, supports_prefix_cache
+from rlhf_core.passes.prefix_cache import checkpointed, on_shared_prefixes, response_lengths, supports_prefix_cache
 
 
 def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
@@ -18,11 +18,12 @@ def sequence_values(critic, sequences: torch.Tensor, attention_mask: torch.Tenso
     ``group`` (rows of one prompt consecutive): each prompt but its last token goes through the critic once and
     its KV cache is indexed out to its rows per bucket of response lengths, as the actor's log-prob pass does
     (``generation.shared_prefix_logits``); the same values and gradients at the masked-in positions up to float
-    rounding, 0 past a row's bucket width. Models that cannot share the cache (``supports_prefix_cache``), and
+    rounding, 0 past a row's bucket width. Models that cannot share the cache (``supports_prefix_cache``), a
+    checkpointed training forward (``prefix_cache.checkpointed``: its layers re-run in backward), and
     under ZeRO-3 over several ranks all ranks unless every one can, run the full rows.
     """
     split = shared_prefix_split(sequences, attention_mask, response_len, group) if group is not None else None
-    shares = split is not None and supports_prefix_cache(critic)
+    shares = split is not None and not checkpointed(critic) and supports_prefix_cache(critic)
     lockstep = D.forwards_in_lockstep(critic)
     if lockstep:
         (shares,) = D.all_agree(shares)

@@ -115,8 +115,8 @@ def build(params: Params, root: Path) -> RLHFBundle:
     # they are used (several optimizer steps per buffer) or the KL goes into the reward; they are recorded
     # while sampling (`rollout_logprobs: generation`) or recomputed in a separate pass
     one_step_per_buffer = cfg.ppo_epochs == 1 and n_mini == 1
-    # a checkpointed layer re-runs its forward in backward and would append to the shared KV cache twice
-    shared_prefix = cfg.shared_prefix and cfg.samples_per_prompt > 1 and not compute.gradient_checkpointing
+    # under gradient checkpointing the training forwards pack or run whole rows (``prefix_cache.checkpointed``)
+    shared_prefix = cfg.shared_prefix and cfg.samples_per_prompt > 1
     gen = GenerationConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, True,
                            synced_gpus=compute.zero_stage == 3 and world > 1,
                            record_logprobs=cfg.rollout_logprobs == "generation", engine=cfg.rollout_engine,

@@ -269,3 +269,41 @@ def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path
     # second or third, and runs its last row again (one plain pass each; then no rank shares)
     assert len(r0["slices"]["passes"]) == 4
     assert r0["prefill"] == r1["prefill"] == {"passes": [], "cache": False}
+
+
+def test_a_checkpointed_training_forward_packs_or_runs_whole_rows_never_the_shared_cache(monkeypatch):
+    """Gradient checkpointing re-runs each layer's forward in backward, which would append to a shared prompt
+    cache again. In a training forward under checkpointing the groups are packed (one pass: the full forwards'
+    logits and gradients), and where packing does not apply (past the width bound) the rows go through whole;
+    without gradients (the log-prob passes) the cache is shared as before. The critic's values likewise."""
+    from rlhf_core.models.value_head import ValueHeadModel
+    from rlhf_core.passes.values import sequence_values
+
+    seq, att = _rows()
+    m = att[:, -3:].bool()
+    full, full_grads = _recorded_runner(_tiny_lm(), seq, att, m, lambda x: x)[0](None, False)
+    model = _tiny_lm()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    run, calls = _recorded_runner(model, seq, att, m, lambda x: x)
+    for width, passes in ((1 << 16, [(2, 7)]), (6, [(5, 6)])):  # packed; past the bound: whole rows
+        monkeypatch.setattr("rlhf_core.passes.generation.PACK_MAX_WIDTH", width)
+        logits, grads = run(GROUP, True)
+        assert calls == passes
+        torch.testing.assert_close(logits[m], full[m], atol=1e-5, rtol=1e-5)
+        for a, b in zip(full_grads, grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    calls.clear()
+    with torch.no_grad():
+        response_logits(model, seq, att, 3, group=GROUP, pack=True)
+    assert len(calls) > 1 and calls[0][0] == 1  # the common head once, then the prompts and the suffixes
+
+    critic = ValueHeadModel(_tiny_lm().model)
+    critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    critic.train()
+    shapes = []
+    critic.backbone.register_forward_pre_hook(lambda mod, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                              with_kwargs=True)
+    values = sequence_values(critic, seq, att, 3, GROUP)
+    values.sum().backward()
+    assert shapes == [(5, 6)]

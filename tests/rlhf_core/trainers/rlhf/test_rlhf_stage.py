@@ -505,3 +505,18 @@ def test_static_rollout_engine_collects_what_generate_collects(ws):
         recomputed = response_logprobs(tr.actor.module, ours.sequences, ours.attention_mask, ours.response_len)
     m = ours.action_mask.bool()
     assert m.sum() > 10 and torch.allclose(ours.old_logp[m], recomputed[m], atol=1e-5)
+
+
+def test_gradient_checkpointing_keeps_the_shared_prompt_and_the_same_update(ws):
+    """``compute.gradient_checkpointing``: GRPO's groups still share their prompt (the log-prob passes through the
+    cache, the training forward packed), and one iteration from the same seed moves the actor as without it."""
+    actors, metrics = [], []
+    for options in ((), ("compute.gradient_checkpointing=true",)):
+        tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.grpo.group_size=4", "rlhf.lr=1e-3", *options)
+        torch.manual_seed(5)
+        assert tr.bundle.shared_prefix and tr.maker.cfg.shared_prefix
+        metrics.append(tr.step())
+        actors.append([p.detach().clone() for p in tr.actor.module.parameters()])
+    assert metrics[0]["policy_loss"] == pytest.approx(metrics[1]["policy_loss"], abs=1e-5)
+    moved = sum(float((a - b).abs().sum()) for a, b in zip(actors[0], actors[1], strict=True))
+    assert moved < 1e-3 * sum(float(a.abs().sum()) for a in actors[0])
