@@ -44,7 +44,7 @@ def main() -> None:
                           attn_implementation="sdpa")
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
         for layout, kw in (("packed", {"group": group, "pack": True}), ("whole rows", {})):
-            mib = saved_mib(lambda: response_logprobs(model, seq, att, R, return_entropy=True, **kw))
+            mib = saved_mib(lambda m=model, k=kw: response_logprobs(m, seq, att, R, return_entropy=True, **k))
             print(json.dumps({"cmd": " ".join(sys.argv), "layers": layers, "rows": ROWS, "prompt_len": P,
                               "response_len": R, "layout": layout, "saved_mib": round(mib, 1)}), flush=True)
 

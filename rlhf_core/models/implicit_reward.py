@@ -44,22 +44,24 @@ def read_beta(path: str | Path) -> float:
 
 
 class PolicyScores(NamedTuple):
-    """Per row ``[B]``: the implicit reward, the policy's summed response log-prob (with gradients where enabled)
-    and the number of response tokens it sums over."""
+    """Per row ``[B]``: the implicit reward (None where the reference pass was skipped), the policy's summed response
+    log-prob (with gradients where enabled) and the number of response tokens it sums over."""
 
-    reward: torch.Tensor
+    reward: torch.Tensor | None
     logp: torch.Tensor
     tokens: torch.Tensor
 
 
 def implicit_scores(forward, adapter_off, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_mask: torch.Tensor, beta: float) -> PolicyScores:
+                    response_mask: torch.Tensor, beta: float, reference: bool = True) -> PolicyScores:
     """``r`` of each row ``[B]`` (:class:`PolicyScores`): the policy pass ``forward(...)`` (with gradients where
     enabled) and the reference pass, the same under ``adapter_off()`` without gradients, over the same
     right-padded rows. ``forward``: a peft model or the engine around one; ``adapter_off``: that peft model's
-    ``disable_adapter``."""
+    ``disable_adapter``. Without ``reference`` only the policy pass runs (the reward is None)."""
     logits = forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logp = response_logprob_sums(logits.float(), input_ids, response_mask)
+    if not reference:
+        return PolicyScores(None, logp, response_mask.sum(dim=-1))
     with torch.no_grad(), adapter_off():
         ref_logits = forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         ref_logp = response_logprob_sums(ref_logits.float(), input_ids, response_mask)
@@ -68,12 +70,12 @@ def implicit_scores(forward, adapter_off, input_ids: torch.Tensor, attention_mas
 
 def implicit_scores_on_prompts(forward, adapter_off, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
                                owner: torch.Tensor, suffix_ids: torch.Tensor, suffix_mask: torch.Tensor,
-                               beta: float) -> PolicyScores:
+                               beta: float, reference: bool = True) -> PolicyScores:
     """``implicit_scores`` of the rows ``cat(prefix_ids[owner[i]], suffix_ids[i])``: prompts ``[U, P]``
     left-padded, responses ``[B, S]`` right-padded (EOS included, ``suffix_mask``). Only the logits that score the
     responses are computed (``generation.response_logits``), and the rows of one prompt share its pass where the
     model can (its KV cache, or its group packed): the same rewards up to float rounding, without the prompt
-    positions' ``[B, P, V]`` logits."""
+    positions' ``[B, P, V]`` logits. Without ``reference`` only the policy pass runs (the reward is None)."""
     order = torch.argsort(owner, stable=True)  # the rows of one prompt consecutive, as the group passes want
     ids = torch.cat([prefix_ids[owner], suffix_ids], dim=1)[order]
     mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1).long()[order]
@@ -83,14 +85,15 @@ def implicit_scores_on_prompts(forward, adapter_off, prefix_ids: torch.Tensor, p
         logits = response_logits(forward, ids, mask, suffix_ids.shape[1], group=owner[order])
         return (logprobs_from_logits(logits.float(), targets) * keep).sum(dim=-1)
 
-    policy = logp()
-    with torch.no_grad(), adapter_off():
-        reference = logp()
-
     def unsort(x: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x).index_copy_(0, order, x)
 
-    return PolicyScores(unsort(implicit_reward(policy, reference, beta)), unsort(policy), suffix_mask.sum(dim=-1))
+    policy = logp()
+    if not reference:
+        return PolicyScores(None, unsort(policy), suffix_mask.sum(dim=-1))
+    with torch.no_grad(), adapter_off():
+        ref = logp()
+    return PolicyScores(unsort(implicit_reward(policy, ref, beta)), unsort(policy), suffix_mask.sum(dim=-1))
 
 
 def save_implicit_rm(model, directory: str | Path, beta: float) -> None:

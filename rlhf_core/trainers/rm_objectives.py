@@ -69,16 +69,16 @@ def head_scores(model, batch: dict, device) -> torch.Tensor:
     return model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).scores
 
 
-def dpo_policy_scores(model, batch: dict, device, beta: float) -> PolicyScores:
+def dpo_policy_scores(model, batch: dict, device, beta: float, reference: bool = True) -> PolicyScores:
     """Each row's implicit reward, policy log-prob and token count ``[2B]``; ``model`` is the engine (training) or
     the peft model (evaluation). From the batch's ``pair_layout``: each pair's prompt once, logits at the
-    responses only."""
+    responses only. Without ``reference``, the policy pass alone (no reward)."""
     peft = getattr(model, "module", model)
     layout = pair_layout(model, batch, device, saving=False)
     if layout is not None:
-        return implicit_scores_on_prompts(model, peft.disable_adapter, *layout, beta)
+        return implicit_scores_on_prompts(model, peft.disable_adapter, *layout, beta, reference)
     return implicit_scores(model, peft.disable_adapter, batch["input_ids"].to(device),
-                           batch["attention_mask"].to(device), batch["response_mask"].to(device), beta)
+                           batch["attention_mask"].to(device), batch["response_mask"].to(device), beta, reference)
 
 
 def dpo_scores(beta: float) -> ScoreFn:
@@ -107,7 +107,8 @@ def eval_chosen_nll(model, data: PairData, batch_size: int, pad_id: int, device)
     idx, weight = shard_for_eval(len(data))
     sums = torch.zeros(2, dtype=torch.float64)  # -log pi summed, tokens
     for i in range(0, len(idx), batch_size):
-        scores = dpo_policy_scores(model, collate_pairs(data, idx[i:i + batch_size], pad_id), device, 1.0)
+        scores = dpo_policy_scores(model, collate_pairs(data, idx[i:i + batch_size], pad_id), device, 1.0,
+                                   reference=False)
         logp, tokens = scores.logp.chunk(2)[0].double().cpu(), scores.tokens.chunk(2)[0].double().cpu()
         w = weight[i:i + batch_size].double()
         sums += torch.stack([(-logp * w).sum(), (tokens * w).sum()])

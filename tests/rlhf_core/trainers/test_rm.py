@@ -467,5 +467,15 @@ def test_the_implicit_reward_on_shared_prompts_equals_the_full_rows_with_their_g
     torch.testing.assert_close(shared.reward.detach(), full.reward.detach(), atol=1e-10, rtol=1e-8)
     torch.testing.assert_close(shared.logp.detach(), full.logp.detach(), atol=1e-10, rtol=1e-8)
     assert shared.tokens.tolist() == full.tokens.tolist() == [3, 1, 2, 3]
+
+    def no_reference():
+        raise AssertionError("the reference pass ran")
+
+    with torch.no_grad():  # the policy pass alone: the same log-probs and counts, no reward, no reference pass
+        for alone in (implicit_scores(peft, no_reference, ids, mask, response, 0.1, reference=False),
+                      implicit_scores_on_prompts(peft, no_reference, prefix, prefix_mask, owner, suffix, suffix_mask,
+                                                 0.1, reference=False)):
+            assert alone.reward is None and alone.tokens.tolist() == [3, 1, 2, 3]
+            torch.testing.assert_close(alone.logp, full.logp.detach(), atol=1e-10, rtol=1e-8)
     for a, b in zip(shared_grads, full_grads, strict=True):  # the rotary tables are float32 even here
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
