@@ -4,7 +4,7 @@
 Every forward of a ZeRO-3 model all-gathers its parameters, so the ranks must make the same passes. Each case
 gives rank 0 and rank 1 rows that would take different paths on their own (packed or not, a common head or
 not, one length bucket or two, a shared prompt or none, a shared prefill or not, one slice of the experience
-rows or three); each rank checks its shared pass against its plain forward and writes ``OUT/rank<r>.json``:
+rows or three, a reward model's pair layout worth sharing or not); each rank checks its shared pass against its plain forward and writes ``OUT/rank<r>.json``:
 the case, the forward passes it made and the largest difference. A rank that made a pass the other did not
 waits in the all-gather: the test times out.
 """
@@ -57,6 +57,7 @@ def main(out: Path) -> None:
     from rlhf_core.passes.generation import prefilled_cache, response_logits
     from rlhf_core.passes.values import sequence_values
     from rlhf_core.trainers.rlhf.experience import batched
+    from rlhf_core.trainers.rm_objectives import head_scores
     from tests.tiny import tiny_lm
 
     rank = D.rank()
@@ -98,6 +99,22 @@ def main(out: Path) -> None:
         passes.clear()
         cache = prefilled_cache(actor, prompts, (prompts != PAD).long(), 2)
         results["prefill"] = {"passes": list(passes), "cache": cache is not None}
+        # the RM's pair layout (two pairs, each prompt with its chosen and rejected answer): rank 0's prompts
+        # are long and its answers short, so sharing the prompt skips most positions; rank 1's the other way round
+        # (rm_objectives.pair_layout: worth_sharing); neither may share alone
+        P, S = (8, 2) if rank == 0 else (2, 8)
+        prefix = torch.randint(3, 16, (2, P), generator=torch.Generator().manual_seed(rank))
+        suffix = torch.randint(3, 16, (4, S), generator=torch.Generator().manual_seed(10 + rank))
+        full = torch.cat([prefix.repeat(2, 1), suffix], dim=1)
+        batch = {"input_ids": full, "attention_mask": torch.ones_like(full), "prefix_ids": prefix,
+                 "prefix_mask": torch.ones_like(prefix), "suffix_ids": suffix, "suffix_mask": torch.ones_like(suffix)}
+        rm_passes = []
+        hook = critic.backbone.register_forward_pre_hook(
+            lambda m, a, kw: rm_passes.append(list((a[0] if a else kw["input_ids"]).shape)), with_kwargs=True)
+        scores = head_scores(critic, batch, torch.device("cpu"))
+        hook.remove()
+        plain = critic(full, torch.ones_like(full)).scores
+        results["pair_layout"] = {"passes": rm_passes, "max_diff": float((scores - plain).abs().max())}
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     D.barrier()
 

@@ -242,7 +242,7 @@ def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path
     """Under ZeRO-3 every forward all-gathers the parameters, so ranks that made different passes hung. Two
     ranks on CPU (gloo) get rows that alone would take different paths (tests/zero3_ranks.py): packed or
     not, a common head or not, one length bucket or two, a shared prompt or none, a shared prefill or not,
-    the experience passes in one slice of rows or three. Both finish, make the same passes, and the actor's
+    the experience passes in one slice of rows or three, a reward model's pair layout worth sharing or not. Both finish, make the same passes, and the actor's
     logits and the critic's values equal each rank's plain forward."""
     repo = Path(__file__).resolve().parents[3]
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
@@ -257,7 +257,7 @@ def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path
         pytest.fail(f"the ranks hung: unequal forward passes under ZeRO-3\n{err[-3000:]}")
     assert proc.returncode == 0, err[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0.keys() == r1.keys() == {"pack", "head", "buckets", "no_group", "slices", "prefill"}
+    assert r0.keys() == r1.keys() == {"pack", "head", "buckets", "no_group", "slices", "prefill", "pair_layout"}
     for case in r0:
         assert len(r0[case]["passes"]) == len(r1[case]["passes"]), (case, r0[case], r1[case])
         assert max(r0[case].get("max_diff", 0), r1[case].get("max_diff", 0)) < 1e-5, case
@@ -269,6 +269,8 @@ def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path
     # second or third, and runs its last row again (one plain pass each; then no rank shares)
     assert len(r0["slices"]["passes"]) == 4
     assert r0["prefill"] == r1["prefill"] == {"passes": [], "cache": False}
+    # the RM's pairs: rank 1's layout is not worth sharing, so both score the full rows, in one pass each
+    assert r0["pair_layout"]["passes"] == [[4, 10]] == r1["pair_layout"]["passes"]
 
 
 def test_a_checkpointed_training_forward_packs_or_runs_whole_rows_never_the_shared_cache(monkeypatch):
