@@ -242,8 +242,9 @@ def test_two_zero3_ranks_with_unequal_rows_make_the_same_forward_passes(tmp_path
     """Under ZeRO-3 every forward all-gathers the parameters, so ranks that made different passes hung. Two
     ranks on CPU (gloo) get rows that alone would take different paths (tests/zero3_ranks.py): packed or
     not, a common head or not, one length bucket or two, a shared prompt or none, a shared prefill or not,
-    the experience passes in one slice of rows or three, a reward model's pair layout worth sharing or not. Both finish, make the same passes, and the actor's
-    logits and the critic's values equal each rank's plain forward."""
+    the experience passes in one slice of rows or three, a reward model's pair layout worth sharing or not. Both
+    finish, make the same passes, and the actor's logits, the critic's values and the RM's scores equal each
+    rank's plain forward."""
     repo = Path(__file__).resolve().parents[3]
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
            str(repo / "tests/zero3_ranks.py"), str(tmp_path)]
