@@ -5,8 +5,8 @@ Every forward of a ZeRO-3 model all-gathers its parameters, so the ranks must ma
 gives rank 0 and rank 1 rows that would take different paths on their own (packed or not, a common head or
 not, one length bucket or two, a shared prompt or none, a shared prefill or not, one slice of the experience
 rows or three, a reward model's pair layout worth sharing or not); each rank checks its shared pass against its
-plain forward and writes ``OUT/rank<r>.json``: the case, the forward passes it made and the largest difference. A rank that made a pass the other did not
-waits in the all-gather: the test times out.
+plain forward and writes ``OUT/rank<r>.json``: the case, the forward passes it made and the largest difference.
+A rank that made a pass the other did not waits in the all-gather: the test times out.
 """
 
 from __future__ import annotations
