@@ -137,8 +137,8 @@ class StaticDecoder:
         s = self.settings
         self.mask |= self.columns == (self.P + self.step - 1)
         out = self.forward(input_ids=self.token[:, None], position_ids=self.pos[:, None],
-                         attention_mask=self.mask[:, None, None, :], past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+                           attention_mask=self.mask[:, None, None, :], past_key_values=self.cache, use_cache=True,
+                           logits_to_keep=1)
         y, lp = next_token(out.logits[:, -1], self.step, **s)
         self._record(y, lp)
         self.pos += 1
@@ -162,7 +162,7 @@ class StaticDecoder:
             try:
                 self._step()
             except Exception as e:  # inductor/dynamo raise many types; the eager step re-raises real faults
-                if self.forward is self.model.forward:
+                if self.forward == self.model.forward:  # eager already (a bound method is new on each access)
                     raise
                 root = e  # dynamo wraps the backend's error (``inner_exception``) or chains it
                 while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:

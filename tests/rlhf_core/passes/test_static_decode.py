@@ -200,3 +200,22 @@ def test_traced_decode_step_repeats_the_kv_heads_which_is_why_compile_is_off(mon
     with torch.inference_mode():
         StaticDecoder(model, 8, 4, 4, torch.device("cpu"), torch.float32, settings, PAD, use_graph=False)._step()
     assert eager_keys and all(k[1] == 2 for k in eager_keys)  # grouped: the 2 KV heads as they are
+
+
+def test_a_fault_in_the_eager_warm_up_is_raised_as_it_is(caplog):
+    """Without a compile, an error in the warm-up step (the step before a CUDA graph's capture) is the model's own:
+    raised unchanged, with no word of a compile."""
+    from rlhf_core.passes.static_decode import StaticDecoder
+
+    class Broken(type(_tiny_lm())):
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("broken step")
+
+    model = Broken(_tiny_lm().config).eval()
+    settings = {"eos_token_id": EOS, "temperature": 1.0, "top_p": 1.0, "do_sample": True, "min_new_tokens": 0}
+    with torch.inference_mode():
+        decoder = StaticDecoder(model, 4, 5, 4, torch.device("cpu"), torch.float32, settings, PAD, use_graph=False)
+        with caplog.at_level("WARNING", logger="rlhf_core.passes.static_decode"), \
+                pytest.raises(RuntimeError, match="broken step"):
+            decoder.warm_up()
+    assert "decoding eagerly" not in caplog.text
