@@ -86,6 +86,15 @@ class RMConfig(EpochConfig):
                              "own process with `compute.num_threads` threads; 0: as many as the cores allow "
                              "(cores // num_threads); 1: one after another. A member's weights do not depend on "
                              "it. Always one at a time under a launcher (torchrun) or on a GPU.")
+    best_of_n: int = Field(
+        0, ge=0, le=64, description="After training, check whether this RM can lift the policy RL starts from by "
+                                    "choosing among its own samples: that policy answers each held-out RL prompt "
+                                    "(`eval.max_prompts`) n times as RL samples, the RM picks one, the checker "
+                                    "judges. metrics/rm.json gets `best_of_n_rm` (the pick's accuracy) beside "
+                                    "pass@n, the majority vote, one sample and the greedy answer "
+                                    "(`best_of_n_rm_gain`: pick minus greedy), for n = 1, 2, 4, ... "
+                                    "(rlhf_core/trainers/rm_selection.py). Needs prompts with answers; costs n "
+                                    "rollouts and RM scores of the held-out prompts. 0: off.")
     judge: bool = Field(
         False, description="Also train a judge reward model, same settings, on the held-out pairs (`eval_pairs`, "
                            "never seen by the proxy RM) into `models/judge`; its held-out accuracy is measured on "

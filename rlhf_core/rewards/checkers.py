@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlhf_core.rewards.arithmetic import check_final_number
+from rlhf_core.rewards.arithmetic import check_final_number, final_number
 from rlhf_core.rewards.demo_task import check_answer
 
 Checker = Callable[[str, "int | str | None"], bool]
 CHECKERS: dict[str, Checker] = {"exact": check_answer, "final_number": check_final_number}
+# what each checker reads as the answer: two completions with the same one give the same verdict (a majority vote)
+ANSWER_OF: dict[str, Callable[[str], object]] = {"exact": str.strip, "final_number": final_number}
 
 
 def get_checker(name: str) -> Checker:

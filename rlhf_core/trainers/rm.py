@@ -55,6 +55,7 @@ from rlhf_core.trainers.common import (
 from rlhf_core.trainers.rm_objectives import OBJECTIVES, ScoreFn, head_scores
 from rlhf_core.trainers.rm_parallel import fit_all
 from rlhf_core.trainers.rm_rounds import round_training_pairs
+from rlhf_core.trainers.rm_selection import best_of_n_check
 
 STAGE = "rm"
 PAIR_COLUMNS = ("id", "prompt", "chosen", "rejected")
@@ -150,9 +151,23 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     metrics = results[0]
     if params.rm.ensemble > 1:
         metrics = summarise_ensemble(proxy, root, results[:params.rm.ensemble], log)
+    if params.rm.best_of_n:
+        metrics = add_best_of_n(proxy, root, metrics, log)
     if not params.rm.judge and D.is_main():
         write_meta_only(root / paths.JUDGE_MODEL, {"stage": STAGE, "role": "judge", "judge": None,
                                                    "reason": "rm.judge is off"})
+    return metrics
+
+
+def add_best_of_n(params: Params, root: Path, metrics: dict, log: LogFn | None = None) -> dict:
+    """``metrics`` with ``rm_selection.best_of_n_check``'s figures for the saved RM, rewritten to
+    ``metrics/rm.json`` and logged (the check runs on the main process)."""
+    if D.is_main():
+        metrics = metrics | best_of_n_check(params, root)
+        write_json_atomic(root / paths.METRICS / f"{STAGE}.json", metrics)
+        if log is not None:
+            log({k: v for k, v in metrics.items() if k.startswith("best_of_n_")}, metrics.get("steps", 0))
+    D.barrier()
     return metrics
 
 

@@ -46,7 +46,7 @@ def test_rm_reaches_high_heldout_accuracy_and_scores_texts(ws):
     from rlhf_core.models import RewardScorer, ValueHeadModel
     from rlhf_core.trainers.rm import train_rm
 
-    m = train_rm(tiny_params("rm.epochs=20"), ws)
+    m = train_rm(tiny_params("rm.epochs=20", "rm.best_of_n=4"), ws)
     assert m["accuracy"] >= 0.85 and m["accuracy_before"] < 0.7, m
     assert m["margin_mean"] > 0 and m["chosen_mean"] > m["rejected_mean"]
     out = ws / "models" / "rm"
@@ -77,6 +77,32 @@ def test_rm_reaches_high_heldout_accuracy_and_scores_texts(ws):
     same = scorer.score_responses([p["prompt"] for p in pairs], [p["chosen"] for p in pairs])
     torch.testing.assert_close(same, chosen, atol=1e-4, rtol=1e-4)  # demo tokenizer: same tokens either way
     assert ValueHeadModel.from_pretrained(out, require_head=True).value_head.weight.shape[0] == 1
+
+    # rm.best_of_n: SFT's own held-out samples, the trained RM's pick judged by the checker
+    table = m["best_of_n"]
+    assert table["n"] == 4 and table["prompts"] == 16 and set(table["by_n"]) == {1, 2, 4}
+    assert len(set(table["by_n"][1].values())) == 1  # one sample: every rule picks it
+    assert m["best_of_n_sampled"] <= m["best_of_n_oracle"] and m["best_of_n_rm"] <= m["best_of_n_oracle"]
+    assert m["best_of_n_pairwise"] >= 0.8 and m["best_of_n_rm"] > m["best_of_n_sampled"], m
+    assert m["best_of_n_rm_gain"] == pytest.approx(m["best_of_n_rm"] - m["best_of_n_greedy"])
+    assert json.loads((ws / "metrics" / "rm.json").read_text())["best_of_n_rm"] == m["best_of_n_rm"]
+
+
+def test_best_of_n_without_answers_is_skipped_with_a_warning(ws, caplog):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_core.trainers.rm_selection import best_of_n_check
+
+    for name in ("prompts.parquet", "eval_prompts.parquet"):
+        path = ws / "data" / "prepared" / name
+        table = pq.read_table(path)
+        pq.write_table(table.set_column(table.column_names.index("answer"), "answer",
+                                        pa.nulls(len(table), table.schema.field("answer").type)), path)
+    reseal_prepared(ws, "prompts.parquet", "eval_prompts.parquet")
+    with caplog.at_level("WARNING"):
+        assert best_of_n_check(tiny_params("rm.best_of_n=2"), ws) == {"best_of_n": None}
+    assert "no answers" in caplog.text
 
 
 @pytest.mark.slow

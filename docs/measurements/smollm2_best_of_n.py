@@ -1,0 +1,55 @@
+# ruff: noqa  -- a measurement script, kept as it ran (figures: docs/results/smollm2.md)
+"""`rm.best_of_n`'s check (rlhf_core/trainers/rm_selection.py) for several RM folders on the same samples (issue 27).
+
+The policy of WS (models/sft) answers each held-out RL prompt N times, as RL samples (seed SEED); the samples are
+kept in WS/best_of_n_samples_N_SEED.json and reused by later calls, so RMs trained later are judged on the very
+same answers. Each RM folder given scores them; one JSON row per RM with the table of
+rlhf_core.algos.selection.best_of_n (the greedy figure is the RL stage's `sft_accuracy`, not re-measured here).
+Run:  OMP_NUM_THREADS=1 python docs/measurements/smollm2_best_of_n.py WS N SEED RM_DIR [RM_DIR ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, "/work/main")
+from rlhf_core.algos.selection import best_of_n
+from rlhf_core.config import load_params
+from rlhf_core.data.tokenizer import load_tokenizer
+from rlhf_core.models import load_causal_lm
+from rlhf_core.models.scorer import load_scorer
+from rlhf_core.passes.generation import GenerationConfig
+from rlhf_core.rewards.checkers import ANSWER_OF, get_checker
+from rlhf_core.trainers.rlhf.inputs import load_prompts
+from rlhf_core.trainers.rm_selection import answer_ids, sample_answers
+
+ws, N, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(1)
+params = load_params(ws / "params.yaml")
+tok = load_tokenizer(ws / "models/sft")
+held = load_prompts(params, ws, tok).heldout
+cache, t0 = ws / f"best_of_n_samples_{N}_{seed}.json", time.perf_counter()
+if cache.is_file():
+    texts = json.loads(cache.read_text())
+else:
+    torch.manual_seed(seed)
+    gen = GenerationConfig(params.rlhf.max_new_tokens, params.rlhf.temperature, params.rlhf.top_p, True)
+    texts = sample_answers(load_causal_lm(ws / "models/sft").eval(), tok, held, N, gen, 50 // N or 1)
+    cache.write_text(json.dumps(texts))
+gen_s = time.perf_counter() - t0
+check, answer_of = get_checker(params.eval.checker), ANSWER_OF[params.eval.checker]
+correct = torch.tensor([[check(t, a) for t in row] for row, a in zip(texts, held.answers)])
+ids = answer_ids([[answer_of(t) for t in row] for row in texts])
+for rm_dir in sys.argv[4:]:
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        s = load_scorer(rm_dir, device="cpu", batch_size=32).score_responses(
+            [p for p in held.prompts for _ in range(N)], [t for row in texts for t in row]).double().view(-1, N)
+    print(json.dumps({"workspace": str(ws), "rm": rm_dir, "n": N, "seed": seed, "prompts": len(texts),
+                      **best_of_n(correct, s, ids), "generate_s": round(gen_s, 1),
+                      "score_s": round(time.perf_counter() - t0, 1)}), flush=True)

@@ -1,0 +1,96 @@
+"""The RM stage's check before RL (``rm.best_of_n``): can the trained reward lift the policy by choosing among its
+own samples? (The table and why: ``rlhf_core.algos.selection``.)
+
+The policy RL will start from (``models/sft``, or a feedback round's starting actor) answers each held-out RL
+prompt (the first ``eval.max_prompts`` of ``eval_prompts.parquet``) n times, sampled as RL samples
+(``rlhf.max_new_tokens``, ``temperature``, ``top_p``; seeded by ``project.seed``), and once greedily as the RL
+stage measures its start (``eval.max_new_tokens``). The RM the stage saved (``models/rm``: a score head, an
+implicit reward or the ensemble) scores every sample; ``eval.checker`` judges. ``metrics/rm.json`` gains:
+
+* ``best_of_n``: the table, ``by_n`` per n = 1, 2, 4, ..., n;
+* flat (logged): ``best_of_n_rm`` (the RM's pick of n), ``best_of_n_oracle`` (pass@n), ``best_of_n_majority``,
+  ``best_of_n_sampled``, ``best_of_n_greedy``, ``best_of_n_rm_gain`` (rm - greedy: below 0, the RM's pick is
+  worse than the greedy answer RL starts from) and ``best_of_n_pairwise``.
+
+Prompts without answers have nothing to judge: the check is skipped, with a warning and ``best_of_n: null``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from rlhf_core.algos.selection import best_of_n
+from rlhf_core.config import Params
+from rlhf_core.data.collate import left_pad_prompts
+from rlhf_core.data.tokenizer import load_tokenizer
+from rlhf_core.evaluation import heldout_eval
+from rlhf_core.models import load_causal_lm
+from rlhf_core.models.scorer import load_scorer
+from rlhf_core.ops import paths
+from rlhf_core.passes.generation import GenerationConfig, rollout
+from rlhf_core.rewards.checkers import ANSWER_OF, get_checker
+from rlhf_core.trainers.rlhf.inputs import load_prompts
+
+log = logging.getLogger(__name__)
+
+
+def policy_dir(params: Params, root: Path) -> Path:
+    """The policy RL starts from: a feedback round's starting actor where one is saved, else ``models/sft``."""
+    if params.feedback.round:
+        start = paths.start_dir(root, params.feedback.round, "actor")
+        if (start / "config.json").exists():
+            return start
+    return root / paths.SFT_MODEL
+
+
+def answer_ids(keys: list[list]) -> torch.Tensor:
+    """``[P, N]`` ids of each row's distinct answers (the first sample with that answer); a sample with no answer
+    (None) is its own."""
+    return torch.tensor([[next((j for j, o in enumerate(row) if o == k), i) if k is not None else i
+                          for i, k in enumerate(row)] for row in keys])
+
+
+@torch.no_grad()
+def sample_answers(model, tokenizer, held, n: int, gen: GenerationConfig, batch_prompts: int) -> list[list[str]]:
+    """``n`` sampled answers per held-out prompt, each prompt's ``n`` rows sharing its KV prefix."""
+    texts: list[list[str]] = []
+    for i in range(0, len(held.prompts), batch_prompts):
+        rows = torch.arange(i, min(i + batch_prompts, len(held.prompts))).repeat_interleave(n)
+        batch = left_pad_prompts(held.tokens, rows, tokenizer.pad_token_id)
+        out = rollout(model, batch["input_ids"], batch["attention_mask"], tokenizer, gen, group_size=n).texts
+        texts += [out[k:k + n] for k in range(0, len(out), n)]
+    return texts
+
+
+def best_of_n_check(params: Params, root: Path) -> dict:
+    """The module's metrics for the RM saved under ``root`` (run on one process)."""
+    n, cfg = params.rm.best_of_n, params.rlhf
+    policy = policy_dir(params, root)
+    tokenizer = load_tokenizer(policy)
+    held = load_prompts(params, root, tokenizer).heldout
+    if held.answers is None:
+        log.warning("rm.best_of_n: the prompts carry no answers, so the checker has nothing to judge; skipped")
+        return {"best_of_n": None}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_causal_lm(policy).to(device).eval()
+    greedy = heldout_eval(model, tokenizer, held, params.eval, device)["accuracy"]
+    gen = GenerationConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, True)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(params.project.seed)
+        texts = sample_answers(model, tokenizer, held, n, gen, max(1, params.eval.batch_size // n))
+    del model
+    check, answer_of = get_checker(params.eval.checker), ANSWER_OF[params.eval.checker]
+    correct = torch.tensor([[check(t, a) for t in row] for row, a in zip(texts, held.answers, strict=True)])
+    scorer = load_scorer(root / paths.RM_MODEL, device=device, batch_size=params.eval.batch_size)
+    scores = scorer.score_responses([p for p in held.prompts for _ in range(n)],
+                                    [t for row in texts for t in row]).float().view(len(texts), n)
+    table = best_of_n(correct, scores.cpu(), answer_ids([[answer_of(t) for t in row] for row in texts]))
+    at_n = table["by_n"][n]
+    return {"best_of_n": {"n": n, "prompts": len(texts), "greedy": greedy, **table},
+            "best_of_n_rm": at_n["reward"], "best_of_n_oracle": at_n["oracle"],
+            "best_of_n_majority": at_n["majority"], "best_of_n_sampled": table["sampled"],
+            "best_of_n_greedy": greedy, "best_of_n_rm_gain": at_n["reward"] - greedy,
+            **({"best_of_n_pairwise": table["pairwise"]} if table["pairwise"] is not None else {})}
