@@ -110,9 +110,10 @@ class RLHFConfig(OptimConfig):
                            "(`torch.compile`, inductor) before the step is captured: fused elementwise kernels; the "
                            "first rollout of a run pays the compile (tens of seconds), and a compile that fails "
                            "falls back to the eager step, said once. The sampling stays eager: the same tokens for "
-                           "a seed up to float rounding. Off by default: slower on the GPU measured so far, "
-                           "because under compile transformers' SDPA path repeats a GQA model's KV heads "
-                           "(docs/results/benchmarks-gpu-rollout.md).")
+                           "a seed up to float rounding. The step attends with the queries grouped over a GQA "
+                           "model's KV heads (passes/grouped_attention.py): traced, transformers' SDPA repeats the "
+                           "KV heads, which made it slower on an H100. Off by default until the grouped step is "
+                           "measured on a GPU (docs/results/benchmarks-gpu-rollout.md).")
     shared_prefix: bool = Field(
         True, description="Forward each prompt once for its group of samples (GRPO's G, PPO's "
                           "`samples_per_prompt`) in the log-prob passes, the critic's value pass and the actor's "

@@ -25,12 +25,13 @@ not every step (a host sync). Finished rows keep their slot (the shapes are fixe
 
 With ``compile`` the model's decode forward is ``torch.compile``d (inductor, static shapes) before the capture:
 the step's elementwise work (RMSNorm, rotary, SiLU x up, residual adds) runs as a few fused kernels instead of
-~30 per layer. It is off by default: traced, transformers' SDPA path repeats a GQA model's KV heads to the query
-heads for one query token (eagerly it groups the queries instead), which costs more than the fusion saves
-(docs/results/benchmarks-gpu-rollout.md). It is compiled once per model (:func:`compiled_forward`; the optimizer updates
-the parameters in place, so the code stays valid), and only the model: the sampling stays eager, so a seed draws
-the same tokens up to the fused kernels' float rounding. A compile that fails is reported once and the step runs
-eagerly.
+~30 per layer. Traced, transformers' SDPA path repeats a GQA model's KV heads to the query heads for one query
+token (eagerly it groups the queries instead), which cost more than the fusion saved on an H100
+(docs/results/benchmarks-gpu-rollout.md); the compiled step therefore runs under ``grouped_attention``'s SDPA,
+which groups the queries traced too. It stays off by default until that is measured on a GPU. It is compiled
+once per model (:func:`compiled_forward`; the optimizer updates the parameters in place, so the code stays
+valid), and only the model: the sampling stays eager, so a seed draws the same tokens up to the fused kernels'
+float rounding. A compile that fails is reported once and the step runs eagerly.
 
 Only for models whose every layer attends to all earlier positions through SDPA (``group_packing.supports_packing``),
 with parameters that stay in place (no ZeRO-3 gathering): :func:`supports_static_decode`.
@@ -43,6 +44,8 @@ import logging
 import torch
 
 from rlhf_core.passes.group_packing import supports_packing
+from rlhf_core.passes.grouped_attention import grouped_decode
+from rlhf_core.passes.grouped_attention import register as register_grouped_sdpa
 from rlhf_core.passes.prefix_cache import model_config, position_ids
 
 log = logging.getLogger(__name__)
@@ -82,11 +85,19 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(remove, -float("inf"))
 
 
-def compiled_forward(model):
-    """``torch.compile(model.forward)`` (inductor, static shapes), made once per model and kept on it."""
+def compiled_forward(model, backend="inductor"):
+    """``torch.compile(model.forward)`` (static shapes), made once per model and kept on it. It is traced and
+    called under ``grouped_attention.GROUPED_SDPA``: a GQA model's decode step reads the KV cache as it is."""
     fn = model.__dict__.get("_static_decode_forward")
     if fn is None:
-        fn = model.__dict__["_static_decode_forward"] = torch.compile(model.forward, dynamic=False)
+        register_grouped_sdpa()
+        compiled, config = torch.compile(model.forward, backend=backend, dynamic=False), model_config(model)
+
+        def fn(**kwargs):
+            with grouped_decode(config):
+                return compiled(**kwargs)
+
+        model.__dict__["_static_decode_forward"] = fn
     return fn
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf_core.passes.generation import GenerationConfig, response_logprobs, rollout, uses_static_decode
-from rlhf_core.passes.static_decode import next_token, static_rollout, top_p_filter
+from rlhf_core.passes.static_decode import StaticDecoder, compiled_forward, next_token, static_rollout, top_p_filter
 from tests.rlhf_core.passes.test_generation import EOS, PAD, _tiny_lm, _Tok
 
 PROMPTS = torch.tensor([[PAD, PAD, 1, 7, 8], [1, 7, 8, 9, 7], [PAD, 1, 9, 9, 3]]).repeat_interleave(4, dim=0)
@@ -154,7 +154,7 @@ def test_a_compile_that_fails_falls_back_to_the_eager_step(caplog):
     mask = (PROMPTS != PAD).long()
     torch.manual_seed(3)
     eager = static_rollout(model, PROMPTS, mask, 6, EOS, PAD, compile=False)
-    model.__dict__["_static_decode_forward"] = torch.compile(model.forward, backend=failing_backend)
+    compiled_forward(model, backend=failing_backend)
     torch.manual_seed(3)
     with caplog.at_level("WARNING", logger="rlhf_core.passes.static_decode"):
         fallen = static_rollout(model, PROMPTS, mask, 6, EOS, PAD, compile=True)
@@ -163,17 +163,23 @@ def test_a_compile_that_fails_falls_back_to_the_eager_step(caplog):
     assert model.__dict__["_static_decode_forward"] == model.forward  # the next rollout does not try again
 
 
-def test_traced_decode_step_repeats_the_kv_heads_which_is_why_compile_is_off(monkeypatch):
-    """Why ``rlhf.rollout_compile`` is off: for one query token, eager SDPA groups a GQA model's query heads over
-    its KV heads (key ``[B, kv, L, d]``), but the graph that ``torch.compile`` traces repeats the KV heads to the
-    query heads (key ``[B, heads, L, d]``: the whole cache copied per layer and step). Should transformers change
-    this, the test fails and the default is worth measuring again."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _sdpa_key_shapes(graphs) -> list:
+    return [n.args[1].meta["example_value"].shape for g in graphs for n in g.graph.nodes
+            if "scaled_dot_product" in str(n.target)]
 
-    from rlhf_core.passes.static_decode import StaticDecoder
+
+def test_the_compiled_step_groups_gqa_queries_which_transformers_does_only_eagerly():
+    """For one query token, eager SDPA groups a GQA model's query heads over its KV heads (key ``[B, kv, L, d]``),
+    but the graph ``torch.compile`` traces of transformers' forward repeats the KV heads to the query heads (key
+    ``[B, heads, L, d]``: the whole cache copied per layer and step; should transformers change this, the first
+    assertion fails and ``grouped_attention`` can go). ``compiled_forward`` traces under ``GROUPED_SDPA``: the
+    traced step reads the 2 KV heads as they are, decodes the eager step's tokens and log-probs, and leaves the
+    model's own attention set after."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     settings = {"eos_token_id": 1, "temperature": 1.0, "top_p": 1.0, "do_sample": True, "min_new_tokens": 0}
     graphs = []
@@ -186,26 +192,46 @@ def test_traced_decode_step_repeats_the_kv_heads_which_is_why_compile_is_off(mon
     with torch.inference_mode():
         StaticDecoder(model, 8, 4, 4, torch.device("cpu"), torch.float32, settings, PAD, use_graph=False,
                       compile=True)
-    keys = [n.args[1].meta["example_value"].shape for g in graphs for n in g.graph.nodes
-            if "scaled_dot_product" in str(n.target)]
-    assert keys and all(k[1] == 4 for k in keys)  # repeated: 4 query heads, not 2 KV heads
-    eager_keys = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert _sdpa_key_shapes(graphs) and all(k[1] == 4 for k in _sdpa_key_shapes(graphs))  # transformers' own
 
-    def spy(q, k, v, *args, **kwargs):
-        eager_keys.append(k.shape)
-        return sdpa(q, k, v, *args, **kwargs)
+    graphs.clear()
+    del model.__dict__["_static_decode_forward"]
+    compiled_forward(model, backend=keep_graph)
+    prompts = torch.tensor([[PAD, 1, 7, 8], [1, 7, 8, 9]]).repeat_interleave(4, dim=0)
+    mask = (prompts != PAD).long()
+    torch.manual_seed(5)
+    eager = static_rollout(model, prompts, mask, 5, 1, PAD, compile=False, group_size=4)
+    torch.manual_seed(5)
+    traced = static_rollout(model, prompts, mask, 5, 1, PAD, compile=True, group_size=4)
+    assert _sdpa_key_shapes(graphs) and all(k[1] == 2 for k in _sdpa_key_shapes(graphs))  # grouped
+    assert torch.equal(eager[0], traced[0])
+    torch.testing.assert_close(eager[1], traced[1], atol=1e-6, rtol=0)
+    assert model.config._attn_implementation == "sdpa"
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    with torch.inference_mode():
-        StaticDecoder(model, 8, 4, 4, torch.device("cpu"), torch.float32, settings, PAD, use_graph=False)._step()
-    assert eager_keys and all(k[1] == 2 for k in eager_keys)  # grouped: the 2 KV heads as they are
+
+def test_grouped_sdpa_equals_transformers_sdpa_for_one_and_many_query_tokens():
+    """The grouped function against transformers' SDPA on the same inputs: one query token of a GQA layer
+    (grouped), a prefill of three (delegated), masked columns included."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rlhf_core.passes.grouped_attention import grouped_sdpa
+
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 3, True
+    torch.manual_seed(1)
+    for q_len in (1, 3):
+        q, k, v = torch.randn(2, 6, q_len, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+        mask = torch.ones(2, 1, q_len, 5, dtype=torch.bool)
+        mask[0, ..., :2] = False
+        want, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
+        got, _ = grouped_sdpa(layer, q, k, v, mask, scaling=0.3)
+        assert got.shape == want.shape == (2, q_len, 6, 8)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 def test_a_fault_in_the_eager_warm_up_is_raised_as_it_is(caplog):
     """Without a compile, an error in the warm-up step (the step before a CUDA graph's capture) is the model's own:
     raised unchanged, with no word of a compile."""
-    from rlhf_core.passes.static_decode import StaticDecoder
 
     class Broken(type(_tiny_lm())):
         def forward(self, *args, **kwargs):

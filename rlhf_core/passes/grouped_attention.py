@@ -1,0 +1,62 @@
+"""SDPA for a compiled decode step of a GQA model: one query token, its query heads grouped over the KV heads.
+
+For one query token transformers' SDPA path reshapes the query ``[B, H, 1, d]`` to ``[B, H_kv, H / H_kv, d]``
+(``pack_gqa``), so attention reads the KV cache ``[B, H_kv, L, d]`` as it is. It does so eagerly only: traced
+(``torch.compile``) it repeats the cache to ``[B, H, L, d]`` instead, a copy of the whole cache per layer and
+step, which made the compiled decode slower than the eager one (docs/results/benchmarks-gpu-rollout.md). This
+module registers, under :data:`GROUPED_SDPA` in transformers' attention and mask interfaces, the eager path's
+computation for one query token, traced or not:
+
+    q'  = q.reshape(B, H_kv, H / H_kv, d)                  the query heads of KV head k: rows of q'[:, k]
+    o'  = SDPA(q', K, V, mask[B, 1, 1, L], scale)          every row masked alike
+    o   = o'.reshape(B, H, 1, d).transpose(1, 2)           as transformers returns it
+
+and transformers' own ``sdpa_attention_forward`` for everything else (prefill, MHA, a position bias).
+:func:`grouped_decode` runs a call under that implementation and restores the model's own after, so training
+forwards never see it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+GROUPED_SDPA = "rlhf_grouped_sdpa"
+
+
+def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' attention-function signature; the module docstring's equations for one grouped query
+    token."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, H, q_len, d = query.shape
+    if q_len != 1 or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, H // groups, groups, d), key, value,
+                                                           attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(B, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register :data:`GROUPED_SDPA` with transformers (idempotent); its masks are SDPA's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+@contextmanager
+def grouped_decode(config):
+    """Run the block with ``config``'s attention set to :data:`GROUPED_SDPA` (an SDPA model's only); restore
+    it after."""
+    own = config._attn_implementation
+    config._attn_implementation = GROUPED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
