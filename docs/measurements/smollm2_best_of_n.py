@@ -3,8 +3,9 @@
 
 The policy of WS (models/sft) answers each held-out RL prompt N times, as RL samples (seed SEED); the samples are
 kept in WS/best_of_n_samples_N_SEED.json and reused by later calls, so RMs trained later are judged on the very
-same answers. Each RM folder given scores them; one JSON row per RM with the table of
-rlhf_core.algos.selection.best_of_n (the greedy figure is the RL stage's `sft_accuracy`, not re-measured here).
+same answers; so are its greedy answers (eval.max_new_tokens). Each RM folder given scores them all; one JSON row
+per RM with the table of rlhf_core.algos.selection.best_of_n, the greedy accuracy and the RM's pick among the
+greedy answer and the N samples (`rm_over_greedy`, selection.keep_default).
 Run:  OMP_NUM_THREADS=1 python docs/measurements/smollm2_best_of_n.py WS N SEED RM_DIR [RM_DIR ...]
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, "/work/main")
-from rlhf_core.algos.selection import best_of_n
+from rlhf_core.algos.selection import best_of_n, keep_default
 from rlhf_core.config import load_params
 from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.models import load_causal_lm
@@ -41,15 +42,26 @@ else:
     gen = GenerationConfig(params.rlhf.max_new_tokens, params.rlhf.temperature, params.rlhf.top_p, True)
     texts = sample_answers(load_causal_lm(ws / "models/sft").eval(), tok, held, N, gen, 50 // N or 1)
     cache.write_text(json.dumps(texts))
+greedy_cache = ws / "best_of_n_greedy.json"
+if greedy_cache.is_file():
+    greedy = json.loads(greedy_cache.read_text())
+else:
+    greedy = [r[0] for r in sample_answers(load_causal_lm(ws / "models/sft").eval(), tok, held, 1,
+                                           GenerationConfig(params.eval.max_new_tokens, do_sample=False), 50)]
+    greedy_cache.write_text(json.dumps(greedy))
 gen_s = time.perf_counter() - t0
 check, answer_of = get_checker(params.eval.checker), ANSWER_OF[params.eval.checker]
 correct = torch.tensor([[check(t, a) for t in row] for row, a in zip(texts, held.answers)])
 ids = answer_ids([[answer_of(t) for t in row] for row in texts])
+greedy_ok = torch.tensor([check(t, a) for t, a in zip(greedy, held.answers)])
 for rm_dir in sys.argv[4:]:
     t0 = time.perf_counter()
     with torch.inference_mode():
         s = load_scorer(rm_dir, device="cpu", batch_size=32).score_responses(
-            [p for p in held.prompts for _ in range(N)], [t for row in texts for t in row]).double().view(-1, N)
+            [p for p in held.prompts for _ in range(N + 1)],
+            [t for g, row in zip(greedy, texts) for t in (g, *row)]).double().view(-1, N + 1)
     print(json.dumps({"workspace": str(ws), "rm": rm_dir, "n": N, "seed": seed, "prompts": len(texts),
-                      **best_of_n(correct, s, ids), "generate_s": round(gen_s, 1),
+                      "greedy": float(greedy_ok.double().mean()),
+                      "rm_over_greedy": keep_default(greedy_ok, s[:, 0], correct, s[:, 1:]),
+                      **best_of_n(correct, s[:, 1:], ids), "generate_s": round(gen_s, 1),
                       "score_s": round(time.perf_counter() - t0, 1)}), flush=True)

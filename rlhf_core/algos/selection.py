@@ -15,13 +15,20 @@ samples:
 
 ``pairwise`` is the reward's accuracy on the (right, wrong) pairs within a prompt: the pairs that RL's group
 comparisons see, not the prepared held-out pairs of ``eval_pairs``.
+
+Greedy decoding reads the policy's mode, which RL moves only where the reward prefers another answer to it. With
+the greedy answer ``g`` beside the samples (``keep_default``), the pick keeps ``g`` unless a sample scores higher:
+
+    reward_over_greedy = mean_p correct[p, argmax(score(g_p), scores[p, 0], ..., scores[p, N-1])]   (ties: g)
+
+Above the greedy accuracy, the reward would move wrong modes to right answers more often than the reverse.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["best_of_n", "doubling"]
+__all__ = ["best_of_n", "doubling", "keep_default"]
 
 
 def doubling(n_max: int) -> list[int]:
@@ -53,3 +60,14 @@ def best_of_n(correct: torch.Tensor, scores: torch.Tensor, answers: torch.Tensor
     pairs = int(right_over_wrong.sum())
     return {"sampled": float(correct.mean()), "pairwise": float(ranked_right.sum()) / pairs if pairs else None,
             "pairs": pairs, "by_n": by_n}
+
+
+def keep_default(default_correct: torch.Tensor, default_scores: torch.Tensor, correct: torch.Tensor,
+                 scores: torch.Tensor) -> float:
+    """``reward_over_greedy`` of the module docstring: ``[P]`` default answers beside ``[P, N]`` samples."""
+    if default_correct.shape != default_scores.shape or correct.shape != scores.shape \
+            or default_correct.shape[0] != correct.shape[0]:
+        raise ValueError(f"keep_default needs [P] defaults and [P, N] samples; got {tuple(default_correct.shape)}, "
+                         f"{tuple(default_scores.shape)}, {tuple(correct.shape)}, {tuple(scores.shape)}")
+    both = torch.cat([default_correct[:, None], correct], dim=1).double()
+    return _pick(both, torch.cat([default_scores[:, None], scores], dim=1).argmax(dim=1))

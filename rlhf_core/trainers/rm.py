@@ -161,9 +161,9 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
 
 def add_best_of_n(params: Params, root: Path, metrics: dict, log: LogFn | None = None) -> dict:
     """``metrics`` with ``rm_selection.best_of_n_check``'s figures for the saved RM, rewritten to
-    ``metrics/rm.json`` and logged (the check runs on the main process)."""
+    ``metrics/rm.json`` and logged. Every rank runs the check (the greedy pass is sharded and reduced over ranks)."""
+    metrics = metrics | best_of_n_check(params, root)
     if D.is_main():
-        metrics = metrics | best_of_n_check(params, root)
         write_json_atomic(root / paths.METRICS / f"{STAGE}.json", metrics)
         if log is not None:
             log({k: v for k, v in metrics.items() if k.startswith("best_of_n_")}, metrics.get("steps", 0))

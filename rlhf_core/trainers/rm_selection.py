@@ -5,12 +5,14 @@ The policy RL will start from (``models/sft``, or a feedback round's starting ac
 prompt (the first ``eval.max_prompts`` of ``eval_prompts.parquet``) n times, sampled as RL samples
 (``rlhf.max_new_tokens``, ``temperature``, ``top_p``; seeded by ``project.seed``), and once greedily as the RL
 stage measures its start (``eval.max_new_tokens``). The RM the stage saved (``models/rm``: a score head, an
-implicit reward or the ensemble) scores every sample; ``eval.checker`` judges. ``metrics/rm.json`` gains:
+implicit reward or the ensemble) scores every answer; ``eval.checker`` judges. ``metrics/rm.json`` gains:
 
 * ``best_of_n``: the table, ``by_n`` per n = 1, 2, 4, ..., n;
-* flat (logged): ``best_of_n_rm`` (the RM's pick of n), ``best_of_n_oracle`` (pass@n), ``best_of_n_majority``,
-  ``best_of_n_sampled``, ``best_of_n_greedy``, ``best_of_n_rm_gain`` (rm - greedy: below 0, the RM's pick is
-  worse than the greedy answer RL starts from) and ``best_of_n_pairwise``.
+* flat (logged): ``best_of_n_rm`` (the RM's pick of n samples), ``best_of_n_oracle`` (pass@n),
+  ``best_of_n_majority``, ``best_of_n_sampled``, ``best_of_n_greedy``, ``best_of_n_rm_over_greedy`` (the RM's
+  pick among the greedy answer and the n samples, ties keeping the greedy one), ``best_of_n_rm_gain``
+  (rm_over_greedy - greedy: at or below 0, the RM would not move wrong greedy answers to right ones more often
+  than the reverse) and ``best_of_n_pairwise``.
 
 Prompts without answers have nothing to judge: the check is skipped, with a warning and ``best_of_n: null``.
 """
@@ -22,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.algos.selection import best_of_n
+from rlhf_core.algos.selection import best_of_n, keep_default
 from rlhf_core.config import Params
 from rlhf_core.data.collate import left_pad_prompts
 from rlhf_core.data.tokenizer import load_tokenizer
-from rlhf_core.evaluation import heldout_eval
 from rlhf_core.models import load_causal_lm
 from rlhf_core.models.scorer import load_scorer
 from rlhf_core.ops import paths
@@ -55,7 +56,7 @@ def answer_ids(keys: list[list]) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_answers(model, tokenizer, held, n: int, gen: GenerationConfig, batch_prompts: int) -> list[list[str]]:
-    """``n`` sampled answers per held-out prompt, each prompt's ``n`` rows sharing its KV prefix."""
+    """``n`` answers per held-out prompt as ``gen`` decodes them, each prompt's ``n`` rows sharing its KV prefix."""
     texts: list[list[str]] = []
     for i in range(0, len(held.prompts), batch_prompts):
         rows = torch.arange(i, min(i + batch_prompts, len(held.prompts))).repeat_interleave(n)
@@ -66,7 +67,8 @@ def sample_answers(model, tokenizer, held, n: int, gen: GenerationConfig, batch_
 
 
 def best_of_n_check(params: Params, root: Path) -> dict:
-    """The module's metrics for the RM saved under ``root`` (run on one process)."""
+    """The module's metrics for the RM saved under ``root``. Under several ranks each runs it whole (the same seed,
+    the same answers; no collective)."""
     n, cfg = params.rm.best_of_n, params.rlhf
     policy = policy_dir(params, root)
     tokenizer = load_tokenizer(policy)
@@ -74,23 +76,29 @@ def best_of_n_check(params: Params, root: Path) -> dict:
     if held.answers is None:
         log.warning("rm.best_of_n: the prompts carry no answers, so the checker has nothing to judge; skipped")
         return {"best_of_n": None}
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = load_causal_lm(policy).to(device).eval()
-    greedy = heldout_eval(model, tokenizer, held, params.eval, device)["accuracy"]
-    gen = GenerationConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, True)
+    per_batch = params.eval.batch_size
+    greedy = [row[0] for row in sample_answers(model, tokenizer, held, 1, GenerationConfig(
+        params.eval.max_new_tokens, do_sample=False), per_batch)]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(params.project.seed)
-        texts = sample_answers(model, tokenizer, held, n, gen, max(1, params.eval.batch_size // n))
+        texts = sample_answers(model, tokenizer, held, n, GenerationConfig(
+            cfg.max_new_tokens, cfg.temperature, cfg.top_p, True), max(1, per_batch // n))
     del model
     check, answer_of = get_checker(params.eval.checker), ANSWER_OF[params.eval.checker]
     correct = torch.tensor([[check(t, a) for t in row] for row, a in zip(texts, held.answers, strict=True)])
-    scorer = load_scorer(root / paths.RM_MODEL, device=device, batch_size=params.eval.batch_size)
-    scores = scorer.score_responses([p for p in held.prompts for _ in range(n)],
-                                    [t for row in texts for t in row]).float().view(len(texts), n)
-    table = best_of_n(correct, scores.cpu(), answer_ids([[answer_of(t) for t in row] for row in texts]))
-    at_n = table["by_n"][n]
-    return {"best_of_n": {"n": n, "prompts": len(texts), "greedy": greedy, **table},
+    greedy_correct = torch.tensor([check(t, a) for t, a in zip(greedy, held.answers, strict=True)])
+    scorer = load_scorer(root / paths.RM_MODEL, device=device, batch_size=per_batch)
+    scores = scorer.score_responses([p for p in held.prompts for _ in range(n + 1)],
+                                    [t for g, row in zip(greedy, texts, strict=True) for t in (g, *row)])
+    scores = scores.float().cpu().view(len(texts), n + 1)
+    table = best_of_n(correct, scores[:, 1:], answer_ids([[answer_of(t) for t in row] for row in texts]))
+    at_n, accuracy = table["by_n"][n], float(greedy_correct.double().mean())
+    over_greedy = keep_default(greedy_correct, scores[:, 0], correct, scores[:, 1:])
+    return {"best_of_n": {"n": n, "prompts": len(texts), "greedy": accuracy, "rm_over_greedy": over_greedy, **table},
             "best_of_n_rm": at_n["reward"], "best_of_n_oracle": at_n["oracle"],
             "best_of_n_majority": at_n["majority"], "best_of_n_sampled": table["sampled"],
-            "best_of_n_greedy": greedy, "best_of_n_rm_gain": at_n["reward"] - greedy,
+            "best_of_n_greedy": accuracy, "best_of_n_rm_over_greedy": over_greedy,
+            "best_of_n_rm_gain": over_greedy - accuracy,
             **({"best_of_n_pairwise": table["pairwise"]} if table["pairwise"] is not None else {})}

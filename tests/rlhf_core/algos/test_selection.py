@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.algos.selection import best_of_n, doubling
+from rlhf_core.algos.selection import best_of_n, doubling, keep_default
 from rlhf_core.trainers.rm_selection import answer_ids
 
 # Two prompts, four samples each. Prompt 0: answers 5 (wrong, samples 0 and 3) and 6 (right, 1 and 2). Prompt 1:
@@ -33,6 +33,16 @@ def test_best_of_n_ties_go_to_the_first_sample_and_a_prompt_all_right_has_no_pai
     assert t["by_n"][1]["reward"] == 0.0 and t["by_n"][3] == {"oracle": 1.0, "reward": 0.0, "majority": 1.0}
     alike = best_of_n(torch.ones(2, 2), torch.rand(2, 2), torch.zeros(2, 2, dtype=torch.long))
     assert alike["pairs"] == 0 and alike["pairwise"] is None and alike["by_n"][2]["reward"] == 1.0
+
+
+def test_keep_default_moves_off_the_greedy_answer_only_for_a_higher_score():
+    # prompt 0: greedy wrong (0.25), a right sample scores 0.9 -> right; prompt 1: greedy right (0.5), the samples
+    # score 0.5 (a tie keeps greedy) and 0.3 -> right; prompt 2: greedy right (0.1), a wrong sample at 0.4 -> wrong
+    got = keep_default(torch.tensor([0, 1, 1]), torch.tensor([0.25, 0.5, 0.1]),
+                       torch.tensor([[1, 0], [0, 0], [0, 1]]), torch.tensor([[0.9, 0.1], [0.5, 0.3], [0.4, 0.2]]))
+    assert got == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match=r"\[P\] defaults and \[P, N\] samples"):
+        keep_default(torch.zeros(2), torch.zeros(2), torch.zeros(3, 2), torch.zeros(3, 2))
 
 
 def test_doubling_ends_at_n():
