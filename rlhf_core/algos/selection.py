@@ -22,6 +22,14 @@ the greedy answer ``g`` beside the samples (``keep_default``), the pick keeps ``
     reward_over_greedy = mean_p correct[p, argmax(score(g_p), scores[p, 0], ..., scores[p, N-1])]   (ties: g)
 
 Above the greedy accuracy, the reward would move wrong modes to right answers more often than the reverse.
+
+RL does not maximise the reward alone: the KL-regularised optimum at coefficient beta is
+``pi*(y) ∝ pi_ref(y) exp(r(y) / (sigma * beta))`` (sigma: the scale the algorithm divides rewards by), whose mode is
+
+    argmax_y  r(y) / sigma + beta * log pi_ref(y | x)
+
+So the same pick with ``scores = r / sigma + beta * log pi_ref`` predicts the mode RL moves to (with DPO's implicit
+reward at beta = its own beta, that is the DPO policy's own preference among the candidates).
 """
 
 from __future__ import annotations

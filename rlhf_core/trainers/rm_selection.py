@@ -10,9 +10,10 @@ implicit reward or the ensemble) scores every answer; ``eval.checker`` judges. `
 * ``best_of_n``: the table, ``by_n`` per n = 1, 2, 4, ..., n;
 * flat (logged): ``best_of_n_rm`` (the RM's pick of n samples), ``best_of_n_oracle`` (pass@n),
   ``best_of_n_majority``, ``best_of_n_sampled``, ``best_of_n_greedy``, ``best_of_n_rm_over_greedy`` (the RM's
-  pick among the greedy answer and the n samples, ties keeping the greedy one), ``best_of_n_rm_gain``
-  (rm_over_greedy - greedy: at or below 0, the RM would not move wrong greedy answers to right ones more often
-  than the reverse) and ``best_of_n_pairwise``.
+  pick among the greedy answer and the n samples, ties keeping the greedy one), ``best_of_n_rm_kl`` (the same pick
+  by the KL-regularised optimum's ranking, ``algos.selection``: the reward over the scale the RL stage divides it by,
+  plus its KL coefficient times the policy's log-probability), ``best_of_n_rm_gain`` (rm_kl - greedy: at or below
+  0, RL at these settings has no better mode to move to among these answers) and ``best_of_n_pairwise``.
 
 Prompts without answers have nothing to judge: the check is skipped, with a warning and ``best_of_n: null``.
 """
@@ -20,6 +21,7 @@ Prompts without answers have nothing to judge: the check is skipped, with a warn
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,15 +57,29 @@ def answer_ids(keys: list[list]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_answers(model, tokenizer, held, n: int, gen: GenerationConfig, batch_prompts: int) -> list[list[str]]:
-    """``n`` answers per held-out prompt as ``gen`` decodes them, each prompt's ``n`` rows sharing its KV prefix."""
+def sample_answers(model, tokenizer, held, n: int, gen: GenerationConfig,
+                   batch_prompts: int) -> tuple[list[list[str]], torch.Tensor]:
+    """``n`` answers per held-out prompt as ``gen`` decodes them (each prompt's ``n`` rows share its KV prefix),
+    and ``[P, n]`` their log-probability under ``model`` at ``gen.temperature``, EOS included."""
     texts: list[list[str]] = []
+    logps = []
+    gen = replace(gen, record_logprobs=True)
     for i in range(0, len(held.prompts), batch_prompts):
         rows = torch.arange(i, min(i + batch_prompts, len(held.prompts))).repeat_interleave(n)
         batch = left_pad_prompts(held.tokens, rows, tokenizer.pad_token_id)
-        out = rollout(model, batch["input_ids"], batch["attention_mask"], tokenizer, gen, group_size=n).texts
-        texts += [out[k:k + n] for k in range(0, len(out), n)]
-    return texts
+        out = rollout(model, batch["input_ids"], batch["attention_mask"], tokenizer, gen, group_size=n)
+        texts += [out.texts[k:k + n] for k in range(0, len(out.texts), n)]
+        logps.append((out.logp.float() * out.action_mask).sum(dim=1).cpu().view(-1, n))
+    return texts, torch.cat(logps)
+
+
+def kl_terms(params: Params, scores: torch.Tensor) -> tuple[float, float]:
+    """``(beta, sigma)`` of the RL stage: its KL coefficient (``grpo.beta``, PPO's ``kl_coef``) and the scale it
+    divides rewards by (GRPO, ``grpo.scale`` group or batch: the scores' std, taken over all samples here)."""
+    cfg = params.rlhf
+    if cfg.algorithm == "grpo":
+        return cfg.grpo.beta, float(scores.std()) if cfg.grpo.scale != "none" and scores.numel() > 1 else 1.0
+    return cfg.kl_coef, 1.0
 
 
 def best_of_n_check(params: Params, root: Path) -> dict:
@@ -79,13 +95,14 @@ def best_of_n_check(params: Params, root: Path) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = load_causal_lm(policy).to(device).eval()
     per_batch = params.eval.batch_size
-    greedy = [row[0] for row in sample_answers(model, tokenizer, held, 1, GenerationConfig(
-        params.eval.max_new_tokens, do_sample=False), per_batch)]
+    greedy, greedy_logp = sample_answers(model, tokenizer, held, 1, GenerationConfig(
+        params.eval.max_new_tokens, cfg.temperature, do_sample=False), per_batch)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(params.project.seed)
-        texts = sample_answers(model, tokenizer, held, n, GenerationConfig(
+        texts, logp = sample_answers(model, tokenizer, held, n, GenerationConfig(
             cfg.max_new_tokens, cfg.temperature, cfg.top_p, True), max(1, per_batch // n))
     del model
+    greedy = [row[0] for row in greedy]
     check, answer_of = get_checker(params.eval.checker), ANSWER_OF[params.eval.checker]
     correct = torch.tensor([[check(t, a) for t in row] for row, a in zip(texts, held.answers, strict=True)])
     greedy_correct = torch.tensor([check(t, a) for t, a in zip(greedy, held.answers, strict=True)])
@@ -96,9 +113,13 @@ def best_of_n_check(params: Params, root: Path) -> dict:
     table = best_of_n(correct, scores[:, 1:], answer_ids([[answer_of(t) for t in row] for row in texts]))
     at_n, accuracy = table["by_n"][n], float(greedy_correct.double().mean())
     over_greedy = keep_default(greedy_correct, scores[:, 0], correct, scores[:, 1:])
-    return {"best_of_n": {"n": n, "prompts": len(texts), "greedy": accuracy, "rm_over_greedy": over_greedy, **table},
+    beta, sigma = kl_terms(params, scores[:, 1:])
+    value = scores / sigma + beta * torch.cat([greedy_logp, logp], dim=1)
+    kl_pick = keep_default(greedy_correct, value[:, 0], correct, value[:, 1:])
+    return {"best_of_n": {"n": n, "prompts": len(texts), "greedy": accuracy, "rm_over_greedy": over_greedy,
+                          "rm_kl": kl_pick, "kl_beta": beta, "reward_scale": sigma, **table},
             "best_of_n_rm": at_n["reward"], "best_of_n_oracle": at_n["oracle"],
             "best_of_n_majority": at_n["majority"], "best_of_n_sampled": table["sampled"],
-            "best_of_n_greedy": accuracy, "best_of_n_rm_over_greedy": over_greedy,
-            "best_of_n_rm_gain": over_greedy - accuracy,
+            "best_of_n_greedy": accuracy, "best_of_n_rm_over_greedy": over_greedy, "best_of_n_rm_kl": kl_pick,
+            "best_of_n_rm_gain": kl_pick - accuracy,
             **({"best_of_n_pairwise": table["pairwise"]} if table["pairwise"] is not None else {})}

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlhf_core.algos.selection import best_of_n, doubling, keep_default
-from rlhf_core.trainers.rm_selection import answer_ids
+from rlhf_core.trainers.rm_selection import answer_ids, kl_terms
+from tests.tiny import TINY_DEMO, tiny_params
 
 # Two prompts, four samples each. Prompt 0: answers 5 (wrong, samples 0 and 3) and 6 (right, 1 and 2). Prompt 1:
 # answer 1 (right, sample 0), 2 and 3 (wrong).
@@ -58,3 +59,11 @@ def test_best_of_n_refuses_mismatched_or_empty_tables():
 
 def test_answer_ids_give_equal_answers_one_id_and_each_missing_answer_its_own():
     assert answer_ids([[5, None, 5, 7], [None, None, 2, 2]]).tolist() == [[0, 1, 0, 3], [0, 1, 2, 2]]
+
+
+def test_kl_terms_are_the_rl_stages_coefficient_and_reward_scale():
+    scores = torch.tensor([1.0, 3.0])  # std (n - 1) = sqrt(2)
+    grpo = tiny_params(TINY_DEMO, "rlhf.algorithm=grpo", "rlhf.grpo.beta=0.05")
+    assert kl_terms(grpo, scores) == pytest.approx((0.05, 2 ** 0.5))
+    assert kl_terms(tiny_params(TINY_DEMO, "rlhf.algorithm=grpo", "rlhf.grpo.scale=none"), scores)[1] == 1.0
+    assert kl_terms(tiny_params(TINY_DEMO, "rlhf.algorithm=ppo", "rlhf.kl_coef=0.2"), scores) == (0.2, 1.0)
