@@ -89,6 +89,16 @@ def test_grpo_raises_the_reward_under_a_fixed_seed(ws):
     assert metrics[-1]["kl"] > 0 and metrics[-1]["group_reward_std"] >= 0  # KL from the training pass' log-probs
 
 
+def test_grpo_with_lora_adapters_raises_the_reward_too(ws):
+    """The real-model profile trains LoRA adapters on the merged SFT model: the same GRPO run with an r-8 adapter
+    (the reference: the adapter off) learns as the full model does, if more slowly (0.17 -> 0.33 over 80 steps
+    here; the full model above 0.15 -> 0.34 over 30). SmolLM2's RL stage moving little is not this."""
+    tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.grpo.group_size=8", "rlhf.lr=1e-2", "rlhf.num_steps=80",
+                  "rlhf.micro_batch_size=32", "compute.lora.enabled=true", "compute.lora.r=8")
+    scores = [tr.step()["score_mean"] for _ in range(80)]
+    assert sum(scores[-10:]) / 10 >= sum(scores[:10]) / 10 + 0.1, scores
+
+
 def test_ppo_step_metrics_and_kl_control(ws):
     logged = []
     tr = _trainer(ws, "rlhf.num_steps=2", "rlhf.kl_controller=adaptive", "rlhf.kl_target=0.001",
