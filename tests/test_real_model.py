@@ -76,6 +76,9 @@ def test_stages_write_merged_full_models_and_the_gate_decides(project):
     assert report["judge_source"] == "checker" and report["n_prompts"] == 4
     assert 0.0 <= report["candidate"]["accuracy"] <= 1.0 and report["decoding"]["checker"] == "final_number"
     assert json.loads((project / "models/actor/rlhf_meta.json").read_text())["lora"] is True
+    rm = json.loads((project / "metrics/rm.json").read_text())  # the profile's rm.best_of_n check, on 4 prompts
+    assert rm["best_of_n"]["n"] == 4 and rm["best_of_n"]["prompts"] == 4 and rm["objective"] == "dpo"
+    assert rm["best_of_n_rm"] <= rm["best_of_n_oracle"] and 0.0 <= rm["best_of_n_rm_kl"] <= 1.0
 
 
 def test_registered_actor(project):
