@@ -91,8 +91,9 @@ class RMConfig(EpochConfig):
                                     "choosing among its own samples: that policy answers each held-out RL prompt "
                                     "(`eval.max_prompts`) n times as RL samples, the RM picks one, the checker "
                                     "judges. metrics/rm.json gets `best_of_n_rm` (the pick's accuracy) beside "
-                                    "pass@n, the majority vote, one sample and the greedy answer "
-                                    "(`best_of_n_rm_gain`: pick minus greedy), for n = 1, 2, 4, ... "
+                                    "pass@n, the majority vote, one sample and the greedy answer, for n = 1, 2, 4, "
+                                    "..., and `best_of_n_rm_gain`: the pick of the KL-regularised optimum at the RL "
+                                    "stage's beta among the greedy answer and the samples, minus greedy "
                                     "(rlhf_core/trainers/rm_selection.py). Needs prompts with answers; costs n "
                                     "rollouts and RM scores of the held-out prompts. 0: off.")
     judge: bool = Field(

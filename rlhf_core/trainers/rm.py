@@ -161,7 +161,7 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
 
 def add_best_of_n(params: Params, root: Path, metrics: dict, log: LogFn | None = None) -> dict:
     """``metrics`` with ``rm_selection.best_of_n_check``'s figures for the saved RM, rewritten to
-    ``metrics/rm.json`` and logged. Every rank runs the check (the greedy pass is sharded and reduced over ranks)."""
+    ``metrics/rm.json`` and logged. Every rank runs the check whole (no collective); the main one writes."""
     metrics = metrics | best_of_n_check(params, root)
     if D.is_main():
         write_json_atomic(root / paths.METRICS / f"{STAGE}.json", metrics)

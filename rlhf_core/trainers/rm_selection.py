@@ -35,18 +35,9 @@ from rlhf_core.models.scorer import load_scorer
 from rlhf_core.ops import paths
 from rlhf_core.passes.generation import GenerationConfig, rollout
 from rlhf_core.rewards.checkers import ANSWER_OF, get_checker
-from rlhf_core.trainers.rlhf.inputs import load_prompts
+from rlhf_core.trainers.rlhf.inputs import load_prompts, start_policies
 
 log = logging.getLogger(__name__)
-
-
-def policy_dir(params: Params, root: Path) -> Path:
-    """The policy RL starts from: a feedback round's starting actor where one is saved, else ``models/sft``."""
-    if params.feedback.round:
-        start = paths.start_dir(root, params.feedback.round, "actor")
-        if (start / "config.json").exists():
-            return start
-    return root / paths.SFT_MODEL
 
 
 def answer_ids(keys: list[list]) -> torch.Tensor:
@@ -86,7 +77,7 @@ def best_of_n_check(params: Params, root: Path) -> dict:
     """The module's metrics for the RM saved under ``root``. Under several ranks each runs it whole (the same seed,
     the same answers; no collective)."""
     n, cfg = params.rm.best_of_n, params.rlhf
-    policy = policy_dir(params, root)
+    policy = start_policies(params, root)[0]  # the log-probs below are its: the KL reference in the base pipeline
     tokenizer = load_tokenizer(policy)
     held = load_prompts(params, root, tokenizer).heldout
     if held.answers is None:

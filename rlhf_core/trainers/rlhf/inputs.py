@@ -69,14 +69,21 @@ def check_inputs(params: Params, root: Path, needs_critic: bool) -> Inputs:
     supervision = cfg.grpo.supervision if cfg.algorithm == "grpo" else cfg.ppo.supervision
     if supervision == "process":
         check_process_inputs(params, sft_dir, rm_dir)
-    actor_init = reference = sft_dir
-    if params.feedback.round:  # a feedback round continues from the policy it collected comparisons on
-        actor_init = paths.start_dir(root, params.feedback.round, "actor")
-        if not (actor_init / "config.json").exists():
-            raise TrainingInputError(f"{actor_init}: no starting actor for feedback round {params.feedback.round}; "
-                                     "run `rlhf stage feedback` first")
-        reference = actor_init if params.feedback.reference == "previous" else sft_dir
+    actor_init, reference = start_policies(params, root)
     return Inputs(sft_dir, rm_dir, needs_critic or RM_SOURCE in cfg.reward_fns, needs_critic, actor_init, reference)
+
+
+def start_policies(params: Params, root: Path) -> tuple[Path, Path]:
+    """``(actor_init, reference)``: ``models/sft`` twice, or in a feedback round the policy it collected comparisons
+    on and the KL reference ``feedback.reference`` names; a round without its starting actor is an error."""
+    sft_dir = root / paths.SFT_MODEL
+    if not params.feedback.round:
+        return sft_dir, sft_dir
+    actor_init = paths.start_dir(root, params.feedback.round, "actor")
+    if not (actor_init / "config.json").exists():
+        raise TrainingInputError(f"{actor_init}: no starting actor for feedback round {params.feedback.round}; "
+                                 "run `rlhf stage feedback` first")
+    return actor_init, actor_init if params.feedback.reference == "previous" else sft_dir
 
 
 def check_process_inputs(params: Params, sft_dir: Path, rm_dir: Path) -> None:
