@@ -38,7 +38,8 @@ LINKED = ("data", "models/sft", "models/rm", "models/base", "params.yaml")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
                 "CROSS_SIZE", "GROUP_RANK")
 REPORTED = ("sft_accuracy", "accuracy", "accuracy_gain", "proxy_reward", "sft_proxy_reward", "kl_to_reference",
-            "eos_share", "train_time_s", "wall_time_s", "sft_step_accuracy", "step_accuracy")
+            "eos_share", "train_time_s", "wall_time_s", "sft_step_accuracy", "step_accuracy", "sft_seen_accuracy",
+            "seen_accuracy")
 
 
 @dataclass(frozen=True)

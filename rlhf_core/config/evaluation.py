@@ -16,6 +16,11 @@ class EvalConfig(Section):
                              "the demo), `final_number` (the last integer it states: the arithmetic task, so a "
                              "base model's \"23 + 45 = 68\" counts).")
     max_new_tokens: int = Field(8, ge=1)
+    seen_prompts: int = Field(
+        0, ge=0, description="RLHF: also judge the first N RL training prompts (`prompts.parquet`) greedily, before "
+                             "and after RL: `sft_seen_accuracy` and `seen_accuracy` in metrics/rlhf.json beside the "
+                             "held-out `accuracy`. A gain on the prompts RL trained on that the held-out prompts do "
+                             "not share is memorisation, not learning. Needs the checker's answers; 0: off.")
     temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
     batch_size: int = Field(64, ge=1)
     judge: Literal["auto", "checker", "model", "none"] = Field(

@@ -123,6 +123,7 @@ class Prompts:
     answers: list
     tokens: Ragged
     heldout: HeldOut
+    seen: HeldOut | None = None  # the first ``eval.seen_prompts`` training prompts, judged as the held-out ones
 
     @property
     def has_answers(self) -> bool:
@@ -141,7 +142,13 @@ def load_prompts(params: Params, root: Path, tokenizer) -> Prompts:
     texts, answers = evals["prompt"][:n_eval], evals["answer"][:n_eval]
     has_answers = any(a is not None for a in train["answer"])
     heldout = HeldOut(texts, answers if has_answers else None, encode(texts))
-    return Prompts(train["prompt"], train["answer"], encode(train["prompt"]), heldout)
+    n_seen = min(params.eval.seen_prompts, len(train["prompt"]))
+    if n_seen and not has_answers:
+        raise TrainingInputError(f"eval.seen_prompts: {params.eval.seen_prompts} judges training prompts with the "
+                                 f"checker, but {paths.prepared_file('prompts')} has no answers")
+    first = train["prompt"][:n_seen]
+    seen = HeldOut(first, train["answer"][:n_seen], encode(first)) if n_seen else None
+    return Prompts(train["prompt"], train["answer"], encode(train["prompt"]), heldout, seen)
 
 
 def ptx_keep(scores: torch.Tensor, min_reward: float) -> torch.Tensor:

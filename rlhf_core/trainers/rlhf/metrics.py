@@ -103,6 +103,8 @@ def heldout_summary(before: dict, final: dict, ema_eval: dict | None, kl_bound: 
         "sft_eos_share": before.get("eos_share"), "ema_accuracy": ema_eval["accuracy"] if ema_eval else None,
         **({"sft_step_accuracy": before.get("step_accuracy"), "step_accuracy": final.get("step_accuracy")}
            if "step_accuracy" in final else {}),
+        **({"sft_seen_accuracy": before.get("seen_accuracy"), "seen_accuracy": final["seen_accuracy"]}
+           if "seen_accuracy" in final else {}),
     }
 
 

@@ -301,11 +301,17 @@ class RLHFTrainer:
     # ------------------------------------------------------------------ evaluation and outputs
     def heldout_eval(self, model, with_kl: bool = True) -> dict[str, float]:
         """Greedy ``heldout_eval`` of ``model`` on this run's held-out prompts, with its reward (the proxy) and,
-        ``with_kl``, the exact KL to its reference."""
+        ``with_kl``, the exact KL to its reference; with ``eval.seen_prompts``, its accuracy on those training
+        prompts too (``seen_accuracy``)."""
         b = self.bundle
-        return heldout_eval(model, b.tokenizer, b.prompts.heldout, self.params.eval, b.device,
-                            ref=b.ref if with_kl else None, reward=b.reward, synced_gpus=b.gen.synced_gpus,
-                            step_judge=step_judge(self.params))
+        out = heldout_eval(model, b.tokenizer, b.prompts.heldout, self.params.eval, b.device,
+                           ref=b.ref if with_kl else None, reward=b.reward, synced_gpus=b.gen.synced_gpus,
+                           step_judge=step_judge(self.params))
+        if b.prompts.seen is not None:
+            seen = heldout_eval(model, b.tokenizer, b.prompts.seen, self.params.eval, b.device,
+                                synced_gpus=b.gen.synced_gpus)
+            out["seen_accuracy"] = seen["accuracy"]
+        return out
 
     def finish(self) -> dict:
         """Final evaluation, models (actor, critic, EMA) in HF format, metrics and plots (rank 0 writes)."""

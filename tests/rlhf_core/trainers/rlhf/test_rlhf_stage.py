@@ -271,6 +271,36 @@ def test_max_steps_stops_early_and_a_rerun_continues(ws):
 
 
 # --------------------------------------------------------------------------- bad input
+def test_seen_prompts_judge_the_first_training_prompts_before_and_after_rl(ws):
+    """``eval.seen_prompts``: the SFT start's and the actor's greedy accuracy on the first N RL prompts, as an
+    independent evaluation of the saved models on exactly those prompts measures it; off, no keys."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.evaluation import heldout_eval
+    from rlhf_core.trainers.rlhf.inputs import load_prompts
+    from rlhf_core.trainers.rlhf.trainer import train_rlhf as run
+
+    p = params("rlhf.algorithm=grpo", "rlhf.grpo.group_size=8", "rlhf.lr=1e-3", "rlhf.num_steps=3",
+               "rlhf.micro_batch_size=32", "eval.seen_prompts=3")
+    tok = load_tokenizer(ws / "models/sft")
+    seen = load_prompts(p, ws, tok).seen
+    assert seen.prompts == list(pd.read_parquet(ws / "data/prepared/prompts.parquet").prompt[:3])
+    metrics = run(p, ws)
+    for model, key in (("sft", "sft_seen_accuracy"), ("actor", "seen_accuracy")):
+        m = AutoModelForCausalLM.from_pretrained(ws / "models" / model).eval()
+        assert metrics[key] == pytest.approx(heldout_eval(m, tok, seen, p.eval, torch.device("cpu"))["accuracy"])
+    assert json.loads((ws / "metrics/rlhf.json").read_text())["seen_accuracy"] == metrics["seen_accuracy"]
+    assert "seen_accuracy" not in run(params("rlhf.algorithm=grpo", "rlhf.grpo.group_size=8", "rlhf.num_steps=1",
+                                             "rlhf.micro_batch_size=32", "rlhf.resume=false"), ws)
+    prompts = ws / "data/prepared/prompts.parquet"
+    pd.read_parquet(prompts).assign(answer=None).to_parquet(prompts)
+    reseal_prepared(ws, "prompts.parquet")
+    with pytest.raises(TrainingInputError, match=r"eval.seen_prompts: 3 .* data/prepared/prompts.parquet has no "
+                                                 r"answers"):
+        load_prompts(p, ws, tok)
+
+
 def test_bad_input_errors_name_the_key_or_path(ws):
     with pytest.raises(TrainingInputError, match=r"rlhf.reward_fns: unknown reward function\(s\) \['nope'\]"):
         _trainer(ws, "rlhf.reward_fns={nope: 1.0}")
