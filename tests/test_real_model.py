@@ -27,7 +27,7 @@ SMOKE = [
     "rm.max_steps=2", "rm.micro_batch_size=4", "rm.save_every=0",
     "rlhf.num_steps=1", "rlhf.prompts_per_step=2", "rlhf.micro_batch_size=8", "rlhf.ptx_batch_size=2",
     "rlhf.max_new_tokens=3", "rlhf.save_every=0",
-    "eval.max_prompts=4", "eval.max_new_tokens=4", "eval.batch_size=4", "eval.table_every=0",
+    "eval.max_prompts=4", "eval.max_new_tokens=4", "eval.batch_size=4", "eval.table_every=0", "eval.seen_prompts=4",
     "gates.min_judge_gain=-1", "gates.min_win_rate_vs_champion=0", "tracking.system_metrics=false",
 ]
 
@@ -79,6 +79,8 @@ def test_stages_write_merged_full_models_and_the_gate_decides(project):
     rm = json.loads((project / "metrics/rm.json").read_text())  # the profile's rm.best_of_n check, on 4 prompts
     assert rm["best_of_n"]["n"] == 4 and rm["best_of_n"]["prompts"] == 4 and rm["objective"] == "dpo"
     assert rm["best_of_n_rm"] <= rm["best_of_n_oracle"] and 0.0 <= rm["best_of_n_rm_kl"] <= 1.0
+    rlhf = json.loads((project / "metrics/rlhf.json").read_text())  # the profile's eval.seen_prompts
+    assert 0.0 <= rlhf["sft_seen_accuracy"] <= 1.0 and 0.0 <= rlhf["seen_accuracy"] <= 1.0
 
 
 def test_registered_actor(project):
