@@ -146,9 +146,10 @@ def load_prompts(params: Params, root: Path, tokenizer) -> Prompts:
     if n_seen and not has_answers:
         raise TrainingInputError(f"eval.seen_prompts: {params.eval.seen_prompts} judges training prompts with the "
                                  f"checker, but {paths.prepared_file('prompts')} has no answers")
-    first = train["prompt"][:n_seen]
-    seen = HeldOut(first, train["answer"][:n_seen], encode(first)) if n_seen else None
-    return Prompts(train["prompt"], train["answer"], encode(train["prompt"]), heldout, seen)
+    tokens = encode(train["prompt"])
+    first = torch.arange(n_seen)
+    seen = HeldOut(train["prompt"][:n_seen], train["answer"][:n_seen], tokens.select(first)) if n_seen else None
+    return Prompts(train["prompt"], train["answer"], tokens, heldout, seen)
 
 
 def ptx_keep(scores: torch.Tensor, min_reward: float) -> torch.Tensor:
