@@ -10,6 +10,7 @@ every row trains. Each verb runs in its own process, so that peak memory is its 
     python -m benchmarks.gpu_grpo workspace --root W     # the model, a word-level tokenizer, prepared prompts
     python -m benchmarks.gpu_grpo decode --root W [--engines generate,static_eager,static,static_compiled]
     python -m benchmarks.gpu_grpo ours --root W [--engine static|generate] [--set compute.bf16_master=true ...]
+        [--snapshot]   # + what the first training forward leaves alive, by the line that allocated it
     python -m benchmarks.gpu_grpo trl --root W
     python -m benchmarks.gpu_grpo profile --root W [--engines static_compiled]   # top kernels of a few steps
     python -m benchmarks.gpu_grpo score --root W [--forward-batch N]   # the reference pass alone: time, memory
@@ -220,7 +221,11 @@ class PhasePeaks:
             self.peaks[name] = max(self.peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
 
 
-def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1, settings: tuple[str, ...] = ()) -> dict:
+def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1, settings: tuple[str, ...] = (),
+               snapshot: bool = False) -> dict:
+    """One GRPO iteration of ours: times and peaks per phase, the resident memory and the training parts' peaks
+    (``TrainPeaks``); with ``snapshot``, what the last iteration's first training forward leaves alive."""
+    from benchmarks.gpu_memory import TrainPeaks
     from rlhf_core.trainers.rlhf.trainer import RLHFTrainer
 
     shape, work = read_workspace(root)
@@ -232,9 +237,12 @@ def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1, se
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     phases = PhasePeaks(trainer)
+    parts = TrainPeaks(trainer, lambda: phases.close("train"), snapshot)
     overall = 0.0
     runs = []
-    for _ in range(iterations):
+    for i in range(iterations):
+        if i == iterations - 1:
+            parts.record()
         runs.append(trainer.step())
         phases.close("train")
         overall = max(overall, *phases.peaks.values()) if phases.peaks else overall
@@ -244,7 +252,7 @@ def bench_ours(root: Path, engine: str, iterations: int = 2, warmup: int = 1, se
             "s_per_iteration": mean["t_step"], "samples_per_s": mean["rows"] / mean["t_step"],
             "generate_s": mean["t_generate"], "score_ref_s": mean["t_score"], "train_s": mean["t_train"],
             "step_times_s": [r["t_step"] for r in runs], "peak_gib": overall if phases.on else None,
-            "phase_peak_gib": phases.peaks, "precision": trainer.actor.precision}
+            "phase_peak_gib": phases.peaks, **parts.row(), "precision": trainer.actor.precision}
 
 
 def bench_trl(root: Path, iterations: int = 2, warmup: int = 1, weights: str = "bf16") -> dict:
@@ -297,6 +305,8 @@ def main() -> None:
     ap.add_argument("--engines", default=",".join(ENGINES), help="decode, profile: engines, comma-separated")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="ours: a params override on top of the workload's (repeatable)")
+    ap.add_argument("--snapshot", action="store_true",
+                    help="ours: group what the last iteration's first training forward leaves alive by origin")
     ap.add_argument("--forward-batch", type=int, default=0, help="score: rows per pass (0: all at once)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="score: the model's dtype")
     ap.add_argument("--rows", type=int, default=400, help="workspace: pairwise rows (about 80 %% become prompts)")
@@ -316,7 +326,7 @@ def main() -> None:
     elif a.verb == "score":
         row = bench_score(a.root, a.forward_batch, a.dtype)
     elif a.verb == "ours":
-        row = bench_ours(a.root, a.engine, a.iterations, settings=tuple(a.set))
+        row = bench_ours(a.root, a.engine, a.iterations, settings=tuple(a.set), snapshot=a.snapshot)
     else:
         row = bench_trl(a.root, a.iterations, weights=a.weights)
     row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,22 @@
+#!/bin/bash
+# Issue #31 on one GPU, in one run, fifth run: the rollout alone (static decoder with its CUDA graph, and with
+# the model's forward compiled with GQA queries grouped over the KV heads, cfe6bc0) against the bandwidth bound;
+# one GRPO iteration of ours (defaults) beside TRL's GRPOTrainer (bf16 weights) on the same machine; ours again
+# with a snapshot of what the first training forward leaves alive (by the line that allocated it) and the
+# resident memory; ours with the grouped compiled decode; ours with bf16 master weights and moments alone
+# (ZeRO-1, no compile). Run from the repo root; OUT gets rows.jsonl, one log per verb and summary.txt. In order
+# of priority: a verb past the call's limit loses only what follows it.
+#   GPU: the wheels the image lacks in .whl (see gpu-grpo-2026-11-27b.sh), named in the call's carry
+#   CPU rehearsal at toy size:  SMALL=1 OUT=/tmp/grpo_cpu PY=.venv/bin/python bash docs/measurements/gpu-grpo-2026-11-28.sh
+source docs/measurements/gpu-grpo-common.sh
+for v in ${VERBS:-decode ours trl ours_mem ours_compile ours_bf16}; do
+    case $v in
+        decode) verb decode 150 decode --engines static,static_compiled ;;
+        ours) verb ours 120 ours --engine static ;;
+        trl) verb trl 150 trl ;;
+        ours_mem) verb ours_mem 120 ours --engine static --snapshot ;;
+        ours_compile) verb ours_compile 150 ours --engine static --set rlhf.rollout_compile=true ;;
+        ours_bf16) verb ours_bf16 120 ours --engine static --set compute.zero_stage=1 --set compute.bf16_master=true ;;
+    esac
+done
+summarise
