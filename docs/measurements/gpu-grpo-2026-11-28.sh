@@ -5,7 +5,9 @@
 # with a snapshot of what the first training forward leaves alive (by the line that allocated it) and the
 # resident memory; ours with the grouped compiled decode; ours with bf16 master weights and moments alone
 # (ZeRO-1, no compile). Run from the repo root; OUT gets rows.jsonl, one log per verb and summary.txt. In order
-# of priority: a verb past the call's limit loses only what follows it.
+# of priority: a verb past the call's limit loses only what follows it. Run 6, after the workload lost its
+# ptx term (TRL has none) and the compiled step became the default on a GPU:
+#   VERBS="ours trl ours_bf16 ours_mem ours_b trl_b ours_nocompile"
 #   GPU: the wheels the image lacks in .whl (see gpu-grpo-2026-11-27b.sh), named in the call's carry
 #   CPU rehearsal at toy size:  SMALL=1 OUT=/tmp/grpo_cpu PY=.venv/bin/python bash docs/measurements/gpu-grpo-2026-11-28.sh
 source docs/measurements/gpu-grpo-common.sh
@@ -17,6 +19,9 @@ for v in ${VERBS:-decode ours trl ours_mem ours_compile ours_bf16}; do
         ours_mem) verb ours_mem 120 ours --engine static --snapshot ;;
         ours_compile) verb ours_compile 150 ours --engine static --set rlhf.rollout_compile=true ;;
         ours_bf16) verb ours_bf16 120 ours --engine static --set compute.zero_stage=1 --set compute.bf16_master=true ;;
+        ours_b) verb ours_b 120 ours --engine static ;;
+        trl_b) verb trl_b 150 trl ;;
+        ours_nocompile) verb ours_nocompile 120 ours --engine static --set rlhf.rollout_compile=false ;;
     esac
 done
 summarise

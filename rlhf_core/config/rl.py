@@ -106,14 +106,12 @@ class RLHFConfig(OptimConfig):
                             "needs a model whose every layer is full SDPA attention and falls back to "
                             "`generate` otherwise, and under ZeRO-3 over several processes.")
     rollout_compile: bool = Field(
-        False, description="With the `static` engine on a GPU, compile the model's decode forward "
-                           "(`torch.compile`, inductor) before the step is captured: fused elementwise kernels; the "
-                           "first rollout of a run pays the compile (tens of seconds), and a compile that fails "
-                           "falls back to the eager step, said once. The sampling stays eager: the same tokens for "
-                           "a seed up to float rounding. The step attends with the queries grouped over a GQA "
-                           "model's KV heads (passes/grouped_attention.py): traced, transformers' SDPA repeats the "
-                           "KV heads, which made it slower on an H100. Off by default until the grouped step is "
-                           "measured on a GPU (docs/results/benchmarks-gpu-rollout.md).")
+        True, description="With the `static` engine on a GPU, compile the model's decode forward "
+                          "(`torch.compile`, inductor) before the step is captured: fused elementwise kernels, "
+                          "the queries grouped over a GQA model's KV heads (passes/grouped_attention.py). The "
+                          "first rollout of a run pays the compile (tens of seconds); a compile that fails falls "
+                          "back to the eager step, said once. The sampling stays eager: the same tokens for a "
+                          "seed up to float rounding. No effect on a CPU (docs/results/benchmarks-gpu-rollout.md).")
     shared_prefix: bool = Field(
         True, description="Forward each prompt once for its group of samples (GRPO's G, PPO's "
                           "`samples_per_prompt`) in the log-prob passes, the critic's value pass and the actor's "
