@@ -64,6 +64,11 @@ class ComputeConfig(Section):
         False, description="Recompute each layer's activations in backward (non-reentrant): about one more "
                            "forward per training pass for the activation memory of a layer instead of all. RL's "
                            "training forwards then pack groups or run whole rows, never a shared prompt cache.")
+    lean_rmsnorm: bool = Field(
+        True, description="Training forwards run a Llama-style RMSNorm that keeps its input and one float per row "
+                          "for backward, instead of a float32 copy of its input and the normalised input "
+                          "(`rlhf_core/models/lean_norm.py`: the same output, gradients equal up to float "
+                          "rounding; other norms keep their own forward).")
     bf16_master: bool = Field(
         False, description="With bf16 precision, keep DeepSpeed's master weights, gradients and Adam moments in "
                            "bf16 too (`bf16_master_weights_and_grads` + `bf16_optimizer_states`), as a trainer of "

@@ -26,6 +26,7 @@ from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 from rlhf_core.config import ComputeConfig, LoraConfig, Params
 from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.engine.errors import TrainingInputError
+from rlhf_core.models.lean_norm import use_lean_rmsnorm
 from rlhf_core.models.value_head import ValueHeadModel
 from rlhf_core.ops import paths
 from rlhf_core.ops.integrity import verify_model_dir
@@ -182,10 +183,13 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
 
 
 def prepare_for_training(model: torch.nn.Module, compute: ComputeConfig) -> torch.nn.Module:
-    """LoRA and gradient checkpointing as configured; KV cache off."""
+    """The lean RMSNorm (``lean_norm``: its input and one float per row kept for backward), LoRA and gradient
+    checkpointing, as configured; KV cache off."""
     cfg = model.config
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
+    if compute.lean_rmsnorm:
+        use_lean_rmsnorm(model)
     if compute.lora.enabled:
         model = apply_lora(model, compute.lora)
     if compute.gradient_checkpointing:
