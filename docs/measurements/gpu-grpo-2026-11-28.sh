@@ -8,6 +8,8 @@
 # of priority: a verb past the call's limit loses only what follows it. Run 6, after the workload lost its
 # ptx term (TRL has none) and the compiled step became the default on a GPU:
 #   VERBS="ours trl ours_bf16 ours_mem ours_b trl_b ours_nocompile"
+# Next GPU session (compute.lean_rmsnorm, 16b0811, measured on the CPU only):
+#   VERBS="ours trl ours_plainnorm ours_mem ours_bf16 ours_b trl_b"
 #   GPU: the wheels the image lacks in .whl (see gpu-grpo-2026-11-27b.sh), named in the call's carry
 #   CPU rehearsal at toy size:  SMALL=1 OUT=/tmp/grpo_cpu PY=.venv/bin/python bash docs/measurements/gpu-grpo-2026-11-28.sh
 source docs/measurements/gpu-grpo-common.sh
@@ -21,6 +23,7 @@ for v in ${VERBS:-decode ours trl ours_mem ours_compile ours_bf16}; do
         ours_bf16) verb ours_bf16 120 ours --engine static --set compute.zero_stage=1 --set compute.bf16_master=true ;;
         ours_b) verb ours_b 120 ours --engine static ;;
         trl_b) verb trl_b 150 trl ;;
+        ours_plainnorm) verb ours_plainnorm 120 ours --engine static --set compute.lean_rmsnorm=false ;;
         ours_nocompile) verb ours_nocompile 120 ours --engine static --set rlhf.rollout_compile=false ;;
     esac
 done
