@@ -95,9 +95,8 @@ def workspace_params(root: Path, shape: dict, work: dict, engine: str = "auto", 
         f"rlhf.max_new_tokens={work['new_tokens']}", "rlhf.temperature=1.0", "rlhf.top_p=1.0",
         f"rlhf.micro_batch_size={work['micro_batch']}", f"rlhf.grad_accum={n_per_step // work['micro_batch']}",
         "rlhf.ppo_epochs=1", "rlhf.ptx_coef=0", "rlhf.grpo.beta=0.04", "rlhf.grpo.clip_eps=0.2", "rlhf.lr=1e-6",
-        "rlhf.warmup_steps=0",
-        "rlhf.lr_scheduler=constant", "rlhf.num_steps=1000", "rlhf.reward_fns={bench_even_words: 1.0}",
-        f"rlhf.rollout_engine={engine}", "eval.max_prompts=8", *settings,
+        "rlhf.warmup_steps=0", "rlhf.lr_scheduler=constant", "rlhf.num_steps=1000",
+        "rlhf.reward_fns={bench_even_words: 1.0}", f"rlhf.rollout_engine={engine}", "eval.max_prompts=8", *settings,
     ]
     return validate(apply_overrides({}, overrides), origin="<bench gpu_grpo>")
 

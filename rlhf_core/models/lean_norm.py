@@ -11,8 +11,8 @@ recomputes ``x_hat`` from the input as given (2 bytes in bf16) and ``r`` (one fl
     dL/dx = dtype(r * (h - x_hat * mean(h * x_hat))),   h = f32(g * w)
 
 The forward is the same ops in the same order (bit-equal output); the gradients agree up to float rounding
-(tests/rlhf_core/models/test_lean_norm.py). On the GPU workload of issue #31 the two norms of each layer held
-3.2 GiB of the training forward's 14.8 GiB of activations (docs/results/benchmarks-gpu-rollout.md).
+(tests/rlhf_core/models/test_lean_norm.py). What it saves on the GPU workload of issue #31:
+docs/results/benchmarks-gpu-rollout.md.
 
 :func:`use_lean_rmsnorm` gives every module that computes exactly this (probed on a small input: bit-equal
 output, so Gemma's ``1 + w`` or a norm without the float32 upcast keeps its own) the lean forward, used when

@@ -28,7 +28,7 @@ the step's elementwise work (RMSNorm, rotary, SiLU x up, residual adds) runs as 
 ~30 per layer. Traced, transformers' SDPA path repeats a GQA model's KV heads to the query heads for one query
 token (eagerly it groups the queries instead), which cost more than the fusion saved on an H100
 (docs/results/benchmarks-gpu-rollout.md); the compiled step therefore runs under ``grouped_attention``'s SDPA,
-which groups the queries traced too (on one H100: 1.40 s per rollout against 1.94 s for the graph alone). It is compiled
+which groups the queries traced too (its speed against the graph alone: the same page). It is compiled
 once per model (:func:`compiled_forward`; the optimizer updates the parameters in place, so the code stays
 valid), and only the model: the sampling stays eager, so a seed draws the same tokens up to the fused kernels'
 float rounding. A compile that fails is reported once and the step runs eagerly.
