@@ -36,6 +36,12 @@ class ArithmeticDataConfig(Section):
                                          description="Operators asked.")
     held_out_pair_share: float = Field(0.15, ge=0.0, lt=1.0, description="Share of operand pairs held out.")
     held_out_phrasings: int = Field(2, ge=0, description="Phrasings per operator held out (the last ones listed).")
+    answer_style: Literal["result", "worked"] = Field(
+        "result", description="The demonstrations' answer: `result`, the bare result (`68`); `worked`, the second "
+                              "operand's tens then its ones, one step each, the result last (`23 + 40 = 63, "
+                              "63 + 5 = 68`: about 15 tokens, so raise `data.max_response_len`, "
+                              "`rlhf.max_new_tokens` and `eval.max_new_tokens`). The checker reads the last "
+                              "integer either way; rejected answers end in a wrong one.")
     base_negatives: int = Field(
         256, ge=0, description="Preference pairs whose rejected answer is the base model's own sampled wrong "
                                "answer (its final number in the answer style), sampled in prepare; the other "

@@ -8,9 +8,12 @@ Held out (:func:`is_held_out`): an operand pair in the held-out share (a fixed h
 a phrasing among the last ``held_out_phrasings`` of its operator's list. Training rows use neither, so held-out
 accuracy measures arithmetic on new numbers and reading new wordings, not recall.
 
-SFT demonstrations use one answer style, the bare result (``render_answer``). The checker
-(:func:`check_final_number`) only judges: a completion is right when the last integer it states is the result,
-so "78", "The answer is 78." and "23 + 45 = 78" all count.
+SFT demonstrations use one answer style (``data.arithmetic.answer_style``): the bare result (``render_answer``),
+or a worked answer that adds or takes away the second operand's tens, then its ones, the result last
+(``render_worked``: "23 + 40 = 63, 63 + 5 = 68"). A worked answer's steps are shared by every question (the ones
+step of a two-digit sum is one of 1,000 facts, not one of 10,000 results), so what RL corrects in one question's
+steps carries to held-out ones. The checker (:func:`check_final_number`) only judges: a completion is right when
+the last integer it states is the result, so "78", "The answer is 78." and "23 + 45 = 78" all count.
 """
 
 from __future__ import annotations
@@ -66,6 +69,37 @@ def render_answer(value: int) -> str:
     return str(value)
 
 
+def render_worked(a: int, op: str, b: int) -> str:
+    """The worked answer style: ``b``'s tens then its ones, one step each (a step whose part is 0 is left out)::
+
+        23 + 45 -> "23 + 40 = 63, 63 + 5 = 68"      45 - 7 -> "45 - 7 = 38"      45 - 0 -> "45 - 0 = 45"
+    """
+    parts = [p for p in (b - b % 10, b % 10) if p] or [0]
+    steps, x = [], a
+    for part in parts:
+        y = solve(x, op, part)
+        steps.append(f"{x} {op} {part} = {y}")
+        x = y
+    return ", ".join(steps)
+
+
+def demonstration(a: int, op: str, b: int, style: str) -> str:
+    """The demonstration of ``a op b`` in answer style ``style`` (``result`` or ``worked``)."""
+    if style not in ("result", "worked"):
+        raise ValueError(f"data.arithmetic.answer_style: unknown style {style!r} (result, worked)")
+    return render_worked(a, op, b) if style == "worked" else render_answer(solve(a, op, b))
+
+
+def with_final_number(text: str, value: int) -> str:
+    """``text`` with its last integer replaced by ``value``: a wrong answer in the style of a right one
+    (``"23 + 40 = 63, 63 + 5 = 68"``, 67 -> ``"23 + 40 = 63, 63 + 5 = 67"``; ``"68"``, 67 -> ``"67"``)."""
+    found = list(_INT.finditer(text))
+    if not found:
+        raise ValueError(f"with_final_number: {text!r} states no integer")
+    last = found[-1]
+    return f"{text[:last.start()]}{value}{text[last.end():]}"
+
+
 def final_number(completion: str) -> int | None:
     """The last integer a completion states (``"23 + 45 = 78."`` -> 78), or None when it states none."""
     found = _INT.findall(completion.replace(",", ""))
@@ -101,10 +135,11 @@ def near_miss(rng: random.Random, correct: int) -> int:
 
 
 def generate(n_train: int, n_held_out: int, max_operand: int, ops: list[str], seed: int, pair_share: float,
-             held_out_phrasings: int, render) -> tuple[list[dict], list[dict]]:
+             held_out_phrasings: int, render, answer_style: str = "result") -> tuple[list[dict], list[dict]]:
     """``(train, held_out)`` rows with every canonical field (prompt, response, chosen, rejected, answer);
-    ``render(messages) -> prompt text`` applies the chat template. Deterministic in ``seed``; the rejected answer
-    is a near miss (prepare may replace it by the base model's own wrong answer)."""
+    ``render(messages) -> prompt text`` applies the chat template. Deterministic in ``seed`` (the same
+    questions in either answer style); the rejected answer is the chosen one ending in a near miss (prepare may
+    put the base model's own wrong result there)."""
     for op in ops:
         if held_out_phrasings >= len(PHRASINGS[op]):
             raise ValueError(f"data.arithmetic.held_out_phrasings: {held_out_phrasings} leaves no training phrasing "
@@ -128,12 +163,13 @@ def generate(n_train: int, n_held_out: int, max_operand: int, ops: list[str], se
             continue
         correct = solve(a, op, b)
         question = PHRASINGS[op][k].format(a=a, b=b)
+        chosen = demonstration(a, op, b, answer_style)
         out.append({
             "id": f"arith-{'heldout' if out is held else 'train'}-{len(out)}",
             "prompt": render([{"role": "user", "content": question}]),
-            "response": render_answer(correct),
-            "chosen": render_answer(correct),
-            "rejected": render_answer(near_miss(rng, correct)),
+            "response": chosen,
+            "chosen": chosen,
+            "rejected": with_final_number(chosen, near_miss(rng, correct)),
             "answer": str(correct),
         })
     return train, held

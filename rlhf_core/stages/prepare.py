@@ -97,7 +97,7 @@ def load_raw(params: Params, tok=None) -> dict[str, Stream]:
             raise DataError("data.source: arithmetic renders questions with the model's chat template, but the "
                             f"tokenizer of {source_tokenizer_path(params.model)} has none")
         train, held = arithmetic.generate(a.n_train, a.n_held_out, a.max_operand, list(a.ops), params.project.seed,
-                                          a.held_out_pair_share, a.held_out_phrasings, render)
+                                          a.held_out_pair_share, a.held_out_phrasings, render, a.answer_style)
         return {"mixed": _rows_stream(train, "arithmetic"), "held_out": _rows_stream(held, "arithmetic")}
     if data.source == "multistep":
         m = data.multistep
@@ -159,7 +159,7 @@ def _base_negatives(params: Params, model, tok, prepared: Path) -> dict:
     for name, n in (("pairs", a.base_negatives), ("eval_pairs", n_eval)):
         out[name] = dict(replace_with_base_errors(model, tok, rows[name][:n], a.base_max_new_tokens,
                                                   params.project.seed, arithmetic.final_number,
-                                                  arithmetic.render_answer))
+                                                  arithmetic.with_final_number))
         rewritten = RowFile(files[name].path, files[name].columns)
         rewritten.write(rows[name])
         rewritten.close()

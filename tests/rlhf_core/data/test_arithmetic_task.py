@@ -14,10 +14,14 @@ from rlhf_core.rewards import get_checker, get_reward_fn
 from rlhf_core.rewards.arithmetic import (
     PHRASINGS,
     check_final_number,
+    demonstration,
     final_number,
     generate,
     is_held_out,
     near_miss,
+    render_worked,
+    solve,
+    with_final_number,
 )
 
 
@@ -92,6 +96,50 @@ def test_generate_rows_are_consistent_and_split_apart():
     for row in held:
         a, op, b, k = parts(row)
         assert PHRASINGS[op][k] in held_phrasings or (a, op, b) not in train_pairs
+
+
+@pytest.mark.parametrize("a, op, b, worked", [
+    (23, "+", 45, "23 + 40 = 63, 63 + 5 = 68"), (38, "+", 27, "38 + 20 = 58, 58 + 7 = 65"),
+    (45, "-", 7, "45 - 7 = 38"), (45, "-", 30, "45 - 30 = 15"), (45, "-", 0, "45 - 0 = 45"),
+    (91, "-", 19, "91 - 10 = 81, 81 - 9 = 72"), (0, "+", 0, "0 + 0 = 0"), (5, "+", 120, "5 + 120 = 125"),
+])
+def test_worked_answers_by_hand(a, op, b, worked):
+    assert render_worked(a, op, b) == worked == demonstration(a, op, b, "worked")
+    assert demonstration(a, op, b, "result") == str(solve(a, op, b))
+
+
+def test_worked_answers_end_in_the_result_for_every_pair():
+    for a in range(100):
+        for b in range(100):
+            assert final_number(render_worked(a, "+", b)) == a + b
+            if b <= a:
+                assert final_number(render_worked(a, "-", b)) == a - b
+
+
+def test_with_final_number_changes_only_the_last_integer():
+    assert with_final_number("23 + 40 = 63, 63 + 5 = 68", 67) == "23 + 40 = 63, 63 + 5 = 67"
+    assert with_final_number("68", 7) == "7"
+    assert with_final_number("It is 68.", 69) == "It is 69."
+    with pytest.raises(ValueError, match="states no integer"):
+        with_final_number("sixty-eight", 67)
+    with pytest.raises(ValueError, match="answer_style"):
+        demonstration(1, "+", 2, "chain")
+
+
+def test_worked_style_asks_the_same_questions_with_worked_answers():
+    """The answer style changes the responses only: the same prompts, answers and split as the bare results; each
+    rejected answer is the chosen one with a wrong last number."""
+    result = generate(300, 60, 99, ["+", "-"], seed=5, pair_share=0.15, held_out_phrasings=2, render=render)
+    worked = generate(300, 60, 99, ["+", "-"], seed=5, pair_share=0.15, held_out_phrasings=2, render=render,
+                      answer_style="worked")
+    for rows_r, rows_w in zip(result, worked, strict=True):
+        assert [(r["id"], r["prompt"], r["answer"]) for r in rows_r] == [(r["id"], r["prompt"], r["answer"])
+                                                                          for r in rows_w]
+        for r, w in zip(rows_r, rows_w, strict=True):
+            assert w["response"] == w["chosen"] and check_final_number(w["chosen"], w["answer"])
+            assert " = " in w["chosen"]
+            assert w["rejected"] == with_final_number(w["chosen"], int(r["rejected"]))  # the same near miss
+            assert not check_final_number(w["rejected"], w["answer"])
 
 
 def test_near_miss_is_wrong_and_not_negative():
