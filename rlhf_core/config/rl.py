@@ -112,6 +112,12 @@ class RLHFConfig(OptimConfig):
                           "first rollout of a run pays the compile (tens of seconds); a compile that fails falls "
                           "back to the eager step, said once. The sampling stays eager: the same tokens for a "
                           "seed up to float rounding. No effect on a CPU (docs/results/benchmarks-gpu-rollout.md).")
+    rollout_free_finished: bool = Field(
+        True, description="With the `static` engine, rows that have finished leave the batch: when the live rows "
+                          "fit in half of it they move to a decoder of the power of two that holds them (at least "
+                          "8 rows), so later steps cost only those. The same tokens for a seed (each row keeps "
+                          "its own random draws). Each new batch size is one more CUDA graph capture, and with "
+                          "`rollout_compile` one more compile the first time it is met.")
     shared_prefix: bool = Field(
         True, description="Forward each prompt once for its group of samples (GRPO's G, PPO's "
                           "`samples_per_prompt`) in the log-prob passes, the critic's value pass and the actor's "

@@ -23,6 +23,15 @@ the same seed draws the same tokens up to float rounding between the static and 
 float32). Whether all rows finished is read every ``check_every`` steps,
 not every step (a host sync). Finished rows keep their slot (the shapes are fixed) and are cut from the output.
 
+Finished rows are freed (``free_finished``): at a check where the live rows fit in half the batch, they move to a
+decoder of ``b`` rows, the power of two that holds them (at least ``min_rows``; a few finished rows fill it up),
+with their cache rows, masks and the tokens so far, and the finished rows' tokens go to the output. Each later
+step then costs ``b`` rows, not ``B``. The draw stays the full batch's: ``q`` is drawn ``[B, V]`` and the live
+rows take theirs (``rows``), so every row draws what it would have drawn in the full batch, and the same seed
+gives the same tokens as without freeing and as ``generate`` (which keeps every row to the end; tested). Each
+batch size is one more capture, and with ``compile`` one more compile the first time it is met (sizes are
+powers of two, at most ``log2(B / min_rows)`` of them).
+
 With ``compile`` the model's decode forward is ``torch.compile``d (inductor, static shapes) before the capture:
 the step's elementwise work (RMSNorm, rotary, SiLU x up, residual adds) runs as a few fused kernels instead of
 ~30 per layer. Traced, transformers' SDPA path repeats a GQA model's KV heads to the query heads for one query
@@ -57,9 +66,11 @@ def supports_static_decode(model) -> bool:
 
 
 def next_token(logits: torch.Tensor, step: torch.Tensor, eos_token_id: int, temperature: float, top_p: float,
-               do_sample: bool, min_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+               do_sample: bool, min_new_tokens: int, rows: torch.Tensor | None = None,
+               batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y_t, logp_t)`` from the float32 logits ``[B, V]`` of step ``step`` (a 0-dim long tensor, so a
-    captured graph reads it at replay): the processing of ``generate`` in its order (module docstring)."""
+    captured graph reads it at replay): the processing of ``generate`` in its order (module docstring).
+    ``rows``: these logits are rows ``rows`` of a batch of ``batch``, and draw that batch's noise rows."""
     z = logits.float()
     if min_new_tokens:
         is_eos = torch.arange(z.shape[-1], device=z.device) == eos_token_id
@@ -68,7 +79,9 @@ def next_token(logits: torch.Tensor, step: torch.Tensor, eos_token_id: int, temp
     kept = top_p_filter(s, top_p) if do_sample and top_p < 1.0 else s
     if do_sample:  # torch.multinomial's one-sample path, without its host-side check of the probabilities
         probs = torch.softmax(kept, dim=-1)
-        y = (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1, keepdim=True)
+        q = (torch.empty_like(probs).exponential_(1) if rows is None
+             else probs.new_empty(batch, probs.shape[-1]).exponential_(1).index_select(0, rows))
+        y = (probs / q).argmax(dim=-1, keepdim=True)
     else:
         y = kept.argmax(dim=-1, keepdim=True)
     return y.squeeze(1), torch.log_softmax(s, dim=-1).gather(1, y).squeeze(1)
@@ -110,14 +123,20 @@ def unguard_cache(cache) -> None:
 
 
 class StaticDecoder:
-    """The buffers of one rollout of ``B`` rows over ``L`` cache columns, and its step (captured on CUDA)."""
+    """The buffers of one rollout of ``B`` rows over ``L`` cache columns, and its step (captured on CUDA).
+    ``full_batch`` > ``batch``: these are rows ``rows`` of a rollout of ``full_batch`` (finished rows freed)."""
 
     def __init__(self, model, batch: int, prompt_len: int, max_new_tokens: int, device: torch.device,
-                 dtype: torch.dtype, settings: dict, pad_token_id: int, use_graph: bool, compile: bool = False):
+                 dtype: torch.dtype, settings: dict, pad_token_id: int, use_graph: bool, compile: bool = False,
+                 full_batch: int = 0):
         from transformers import StaticCache
 
         config = model_config(model)
-        self.model, self.settings, self.pad_token_id = model, settings, pad_token_id
+        self.model, self.pad_token_id, self.use_graph, self.compile = model, pad_token_id, use_graph, compile
+        self.batch, self.full_batch = batch, full_batch or batch
+        self.rows = torch.arange(batch, device=device)
+        self.settings = settings if self.full_batch == batch else {**settings, "rows": self.rows,
+                                                                      "batch": self.full_batch}
         self.P, self.R = prompt_len, max_new_tokens
         L = prompt_len + max_new_tokens
         self.cache = StaticCache(config=config, max_cache_len=L)
@@ -195,6 +214,31 @@ class StaticDecoder:
         with torch.cuda.graph(self.graph):
             self._step()
 
+    def take_rows(self, other: StaticDecoder, keep: torch.Tensor) -> None:
+        """Continue rows ``keep`` of ``other`` (a larger decoder of the same rollout) in this one's buffers."""
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys.copy_(theirs.keys.index_select(0, keep))
+            mine.values.copy_(theirs.values.index_select(0, keep))
+            mine.cumulative_length.copy_(theirs.cumulative_length)
+        for name in ("mask", "token", "pos", "finished", "tokens", "logp"):
+            getattr(self, name).copy_(getattr(other, name).index_select(0, keep))
+        self.rows.copy_(other.rows.index_select(0, keep))
+        self.step.copy_(other.step)
+
+    def freed(self, live: int, min_rows: int) -> StaticDecoder | None:
+        """A decoder of the power of two rows that holds the ``live`` unfinished rows (at least ``min_rows``),
+        carrying them on, when that is at most half of this one; else None."""
+        batch = max(min_rows, 1 << max(0, live - 1).bit_length())
+        if 2 * batch > self.batch:
+            return None
+        finished = self.finished
+        keep = torch.cat([(~finished).nonzero().squeeze(1), finished.nonzero().squeeze(1)])[:batch]
+        small = StaticDecoder(self.model, batch, self.P, self.R, self.mask.device, self.cache.layers[0].keys.dtype,
+                              {k: v for k, v in self.settings.items() if k not in ("rows", "batch")},
+                              self.pad_token_id, self.use_graph, self.compile, self.full_batch)
+        small.take_rows(self, keep)
+        return small
+
     def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> None:
         """Prefill the prompts (each run of ``group_size`` identical rows once), sample the first token."""
         P = self.P
@@ -210,39 +254,43 @@ class StaticDecoder:
         self.pos.copy_(prompt_mask.long().sum(dim=1))
         self.step.zero_()
         self.finished.zero_()
-        self.tokens.zero_()
+        self.tokens.fill_(self.pad_token_id)  # what finished rows show, also where a freed row no longer writes
         self.logp.zero_()
         y, lp = next_token(out.logits[:, -1].repeat_interleave(group_size, dim=0), self.step, **self.settings)
         self._record(y, lp)
 
-    def decode(self, check_every: int) -> int:
-        """Steps ``1 .. R-1`` (stopping early once every row finished, read every ``check_every`` steps);
-        returns the number of response columns: up to the last row's EOS, or ``R``."""
-        for t in range(1, self.R):
-            if t % check_every == 0 and bool(self.finished.all()):
-                break
+    def decode(self, check_every: int, min_rows: int = 0) -> StaticDecoder | None:
+        """Steps up to ``R-1``, stopping early once every row finished (read every ``check_every`` steps); with
+        ``min_rows``, returns a smaller decoder (:meth:`freed`) as soon as one would do, else None at the end."""
+        t = int(self.step)
+        while t < self.R:
+            if t % check_every == 0:
+                live = int((~self.finished).sum())
+                if live == 0:
+                    break
+                if min_rows and (small := self.freed(live, min_rows)) is not None:
+                    return small
             if self.graph is not None:
                 self.graph.replay()
             else:
                 self._step()
-        if bool(self.finished.all()):
-            eos = self.settings["eos_token_id"]
-            first_eos = torch.where(self.tokens == eos, self.columns[:self.R], self.R).min(dim=1).values
-            return int(first_eos.max()) + 1
-        return int(self.step)
+            t += 1
+        return None
 
 
 def static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
                    eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
                    do_sample: bool = True, min_new_tokens: int = 0, group_size: int = 1,
                    use_graph: bool | None = None, check_every: int = 8,
-                   compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   compile: bool = False, free_finished: bool = True,
+                   min_rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(responses [B, R'], logp [B, R'])``: tokens sampled after the left-padded ``prompt_ids`` and their
     log-probs under ``softmax(logits / T)`` (before top-p, as the trainer scores them; with ``min_new_tokens``,
     the EOS ban included),
     ``R' <= max_new_tokens`` (cut after the last row's EOS), pad after a row's EOS. ``group_size`` > 1: the rows
     come in runs of identical prompts, each prefilled once. ``use_graph`` (default: on CUDA) captures the step,
-    ``compile`` compiles the model's forward first (module docstring).
+    ``compile`` compiles the model's forward first, ``free_finished`` frees finished rows down to batches of
+    ``min_rows`` (module docstring).
     Runs under ``torch.inference_mode()``; the model must pass ``supports_static_decode``."""
     device = next(model.parameters()).device
     B, P = prompt_ids.shape
@@ -260,5 +308,19 @@ def static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, m
         decoder = StaticDecoder(model, B, P, max_new_tokens, device, dtype, settings, pad_token_id, use_graph,
                                 compile)
         decoder.start(prompt_ids, prompt_mask, group_size)
-        width = decoder.decode(check_every)
-        return decoder.tokens[:, :width].clone(), decoder.logp[:, :width].clone()
+        tokens, logp = decoder.tokens, decoder.logp  # the full batch's: a freed decoder writes its rows back
+
+        def write_back(d: StaticDecoder) -> None:
+            if d.batch < B:
+                tokens.index_copy_(0, d.rows, d.tokens)
+                logp.index_copy_(0, d.rows, d.logp)
+
+        while (small := decoder.decode(check_every, min_rows if free_finished else 0)) is not None:
+            write_back(decoder)  # the rows it leaves behind are final
+            decoder = small
+        write_back(decoder)
+        width = int(decoder.step)
+        if bool(decoder.finished.all()):  # every row ended (rows left behind had): cut after the last EOS
+            first_eos = torch.where(tokens == eos_token_id, decoder.columns[:max_new_tokens], max_new_tokens)
+            width = int(first_eos.min(dim=1).values.max()) + 1
+        return tokens[:, :width].clone(), logp[:, :width].clone()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -56,3 +57,31 @@ def test_shared_prefix_bench_prints_each_pass_and_the_two_agree(capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) == 4
     with pytest.raises(SystemExit):
         main(["--rows", "10", "--group", "4"])
+
+
+def test_free_rows_bench_runs_both_decoders_and_they_agree(tmp_path, tiny_chat_tokenizer_dir):
+    """``benchmarks.free_rows`` on a tiny random Llama whose EOS is likely: both kinds timed every repeat, the same
+    tokens, and lengths that vary (so rows were freed)."""
+    import pandas as pd
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.free_rows import main
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_tokenizer_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=256))
+    with torch.no_grad():  # every input embeds alike: one last hidden state c, near-uniform logits, and EOS's
+        model.model.embed_tokens.weight[:] = model.model.embed_tokens.weight[0]  # set to make it 1 in ~10 a step
+        c = model.model(input_ids=torch.tensor([[1, 2, 3]])).last_hidden_state[0, -1]
+        model.lm_head.weight[tok.eos_token_id] = math.log(len(tok) / 9) * c / c.dot(c)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    pd.DataFrame({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]}).to_parquet(tmp_path / "p.parquet")
+    row = main(["--model", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.parquet"), "--rows", "16",
+                "--new-tokens", "40", "--repeats", "2", "--threads", "1"])
+    assert row["same_tokens"] and row["rows"] == 16
+    assert len(row["times_s"]["kept"]) == len(row["times_s"]["freed"]) == 2 and row["freed_over_kept"] > 0
+    assert 1 <= row["response_len_mean"] < row["response_len_max"] <= 40

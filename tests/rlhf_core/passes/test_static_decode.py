@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from rlhf_core.passes.generation import GenerationConfig, response_logprobs, rollout, uses_static_decode
+from rlhf_core.passes.generation import (
+    GenerationConfig,
+    response_logprobs,
+    response_mask,
+    rollout,
+    uses_static_decode,
+)
 from rlhf_core.passes.static_decode import StaticDecoder, compiled_forward, next_token, static_rollout, top_p_filter
 from tests.rlhf_core.passes.test_generation import EOS, PAD, _tiny_lm, _Tok
 
@@ -70,6 +76,59 @@ def test_rows_that_stop_early_are_padded_and_the_output_cut():
     torch.manual_seed(2)
     ref = rollout(model, PROMPTS, mask, _Tok(), GenerationConfig(40))
     assert torch.equal(ref.responses, tokens)
+
+
+@pytest.mark.parametrize("sampling", [{"do_sample": False}, {"temperature": 0.7, "group_size": 4},
+                                      {"temperature": 1.3, "top_p": 0.8}, {"min_new_tokens": 3}])
+def test_freeing_finished_rows_draws_the_same_tokens(monkeypatch, sampling):
+    """Rows freed as they finish (12 rows, then 8, 4, 2 or 1 as EOS comes): for the same seed, the tokens and
+    log-probs of the decoder that keeps every row to the end, which are ``generate``'s (the test above)."""
+    model = _eos_prone_lm()
+    mask = (PROMPTS != PAD).long()
+    torch.manual_seed(5)
+    kept, kept_logp = static_rollout(model, PROMPTS, mask, 24, EOS, PAD, free_finished=False, **sampling)
+    sizes = []
+    init = StaticDecoder.__init__
+    monkeypatch.setattr(StaticDecoder, "__init__", lambda self, m, batch, *a, **k: (sizes.append(batch),
+                                                                                   init(self, m, batch, *a, **k))[1])
+    torch.manual_seed(5)
+    freed, freed_logp = static_rollout(model, PROMPTS, mask, 24, EOS, PAD, check_every=1, min_rows=1, **sampling)
+    greedy = sampling.get("do_sample") is False  # greedy rows end in runs of 4 (their prompts'): one freeing
+    assert sizes[0] == 12 and len(sizes) >= (2 if greedy else 3) and sizes == sorted(sizes, reverse=True)
+    assert all(b & (b - 1) == 0 for b in sizes[1:])  # powers of two
+    assert torch.equal(kept, freed)
+    action = response_mask(freed, EOS).bool()
+    torch.testing.assert_close(kept_logp[action], freed_logp[action], atol=1e-5, rtol=0)
+
+
+def test_freed_rows_draw_the_full_batchs_noise_rows():
+    """``next_token`` on rows [3, 0] of a batch of 4 draws what those rows draw in the whole batch."""
+    logits = torch.randn(4, 50)
+    rows = torch.tensor([3, 0])
+    args = {"eos_token_id": 1, "temperature": 1.0, "top_p": 1.0, "do_sample": True, "min_new_tokens": 0}
+    torch.manual_seed(0)
+    y_all, lp_all = next_token(logits, torch.tensor(1), **args)
+    torch.manual_seed(0)
+    y, lp = next_token(logits[rows], torch.tensor(1), rows=rows, batch=4, **args)
+    assert torch.equal(y, y_all[rows]) and torch.equal(lp, lp_all[rows])
+
+
+def test_freed_batch_sizes():
+    """A decoder of 12 rows frees into the power of two that holds the live rows, at least ``min_rows``, only when
+    that is at most half of 12."""
+    mask = (PROMPTS != PAD).long()
+    decoder = StaticDecoder(_tiny_lm(), 12, PROMPTS.shape[1], 4, torch.device("cpu"), torch.float32,
+                            {"eos_token_id": EOS, "temperature": 1.0, "top_p": 1.0, "do_sample": True,
+                             "min_new_tokens": 0}, PAD, use_graph=False)
+    with torch.inference_mode():
+        decoder.start(PROMPTS, mask, 1)
+        decoder.finished[:] = True
+        decoder.finished[[2, 9, 10]] = False
+        assert decoder.freed(7, 1) is None and decoder.freed(5, 1) is None  # 8 rows: not half of 12
+        small = decoder.freed(3, 1)
+        assert small.batch == 4 and small.rows[:3].tolist() == [2, 9, 10] and bool(small.finished[3])
+        assert torch.equal(small.cache.layers[0].keys[:3], decoder.cache.layers[0].keys[[2, 9, 10]])
+        assert decoder.freed(3, 8) is None and decoder.freed(1, 1).batch == 1
 
 
 def test_next_token_by_hand():
