@@ -21,7 +21,8 @@ That is the processing order of transformers' ``generate`` (minimum length, temp
 ``argmax(p / q)`` with ``q ~ Exp(1)``, minus its check of ``p`` on the host (a sync a CUDA graph cannot hold):
 the same seed draws the same tokens up to float rounding between the static and the growing cache (tested in
 float32). Whether all rows finished is read every ``check_every`` steps,
-not every step (a host sync). Finished rows keep their slot (the shapes are fixed) and are cut from the output.
+not every step (a host sync). Finished rows keep their slot until freed (below); what follows their EOS is pad,
+cut from the output after the last row's EOS.
 
 Finished rows are freed (``free_finished``): at a check where the live rows fit in half the batch, they move to a
 decoder of ``b`` rows, the power of two that holds them (at least ``min_rows``; a few finished rows fill it up),
