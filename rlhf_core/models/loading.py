@@ -159,8 +159,10 @@ def build_value_model(params: Params, root: str | Path, init_from: str,
     return ValueHeadModel(backbone)
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    """Wrap with peft LoRA adapters; for a ValueHeadModel the backbone is adapted and the head stays trainable."""
+def apply_lora(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.Module:
+    """Wrap with peft LoRA adapters; for a ValueHeadModel the backbone is adapted and the head stays trainable.
+    The adapters' random init is drawn after ``torch.manual_seed(seed)``: it depends on the seed alone, not on
+    what drew from the global generator before (a model loaded from a folder draws nothing)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -168,6 +170,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
         return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                               target_modules=list(lora.target_modules), task_type=task_type, bias="none")
 
+    torch.manual_seed(seed)
     if isinstance(model, ValueHeadModel):
         model.backbone = get_peft_model(model.backbone, cfg(None))
         target = model.backbone
@@ -182,16 +185,16 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     return model
 
 
-def prepare_for_training(model: torch.nn.Module, compute: ComputeConfig) -> torch.nn.Module:
-    """The lean RMSNorm (``lean_norm``: its input and one float per row kept for backward), LoRA and gradient
-    checkpointing, as configured; KV cache off."""
+def prepare_for_training(model: torch.nn.Module, compute: ComputeConfig, seed: int) -> torch.nn.Module:
+    """The lean RMSNorm (``lean_norm``: its input and one float per row kept for backward), LoRA (its init seeded
+    by ``seed``) and gradient checkpointing, as configured; KV cache off."""
     cfg = model.config
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
     if compute.lean_rmsnorm:
         use_lean_rmsnorm(model)
     if compute.lora.enabled:
-        model = apply_lora(model, compute.lora)
+        model = apply_lora(model, compute.lora, seed)
     if compute.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

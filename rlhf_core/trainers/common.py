@@ -188,7 +188,7 @@ def build_engine(params: Params, section: EpochConfig, key: str, n_rows: int, bu
         model = build_model()
     check_vocab_fits(tokenizer, model, init_source)
     check_max_length(model, max_length, key)
-    model = prepare_for_training(model, compute)
+    model = prepare_for_training(model, compute, params.project.seed)
     return plan, TrainEngine(model, compute, section, plan.total_steps)
 
 

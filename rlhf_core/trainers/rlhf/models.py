@@ -57,7 +57,7 @@ def load_actor(params: Params, sft_dir: Path):
     """The trainable policy, initialised from the SFT model (LoRA / gradient checkpointing per ``compute``)."""
     with model_init_context(params.compute, params.rlhf):
         model = load_causal_lm(sft_dir, **_model_kwargs(params))
-    return disable_dropout(prepare_for_training(model, params.compute))
+    return disable_dropout(prepare_for_training(model, params.compute, params.project.seed))
 
 
 def load_reference(params: Params, sft_dir: Path, actor_engine, actor_init: Path | None = None):
@@ -109,7 +109,7 @@ def load_critic(params: Params, rm_dir: Path):
         paths, _, scale = read_ensemble_spec(rm_dir)
         if "." in paths:  # the head is member "."'s (the RM stage writes it first)
             critic.scale_head(1.0 / scale[paths.index(".")])
-    return disable_dropout(prepare_for_training(critic, params.compute))
+    return disable_dropout(prepare_for_training(critic, params.compute, params.project.seed + 1))
 
 
 def load_process_rewards(params: Params, rm_dir: Path, tokenizer, device: torch.device, batch_size: int):

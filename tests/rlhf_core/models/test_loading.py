@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 LLAMA_MODULES = ("transformers.models.llama.configuration_llama", "transformers.models.llama.modeling_llama")
 
 PROBE = """
@@ -39,3 +41,24 @@ def test_an_unknown_or_absent_architecture_imports_nothing(tmp_path):
     (custom / "config.json").write_text(json.dumps({"model_type": "not-in-transformers"}))
     assert probe(custom)["after"] == [False, False]
     assert probe(tmp_path / "missing")["after"] == [False, False]
+
+
+def test_lora_init_depends_on_the_seed_not_on_earlier_draws():
+    """LoRA's A matrices are drawn at random: after ``prepare_for_training`` with the same seed they are equal
+    whatever the global generator drew before, and differ for another seed (a stage run in-process after other
+    work trained from another start: the DPO and GRPO LoRA tests flipped with the test order)."""
+    from rlhf_core.config import ComputeConfig, LoraConfig
+    from rlhf_core.models.loading import prepare_for_training
+    from tests.tiny import tiny_lm
+
+    compute = ComputeConfig(lora=LoraConfig(enabled=True, r=4, target_modules=["q_proj", "v_proj"]))
+
+    def adapters(seed: int, draws_before: int) -> list[torch.Tensor]:
+        model = tiny_lm("llama")
+        torch.rand(draws_before)
+        model = prepare_for_training(model, compute, seed)
+        return [p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n]
+
+    first, after_draws, other_seed = adapters(3, 0), adapters(3, 1000), adapters(4, 0)
+    assert first and all(torch.equal(a, b) for a, b in zip(first, after_draws, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other_seed, strict=True))
