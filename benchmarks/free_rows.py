@@ -7,7 +7,7 @@ lengths are the model's own. The two runs alternate, each from the same seed, an
         [--rows 64] [--group 1] [--new-tokens 32] [--repeats 3] [--threads 1]
 
 Prints one JSON row: seconds per rollout of each kind (every repeat), their ratio, the response lengths, and
-whether the tokens were equal. Figures: docs/results/benchmarks-rl-speed.md.
+whether the tokens were equal. Figures: docs/results/benchmarks-gpu-rollout.md ("Finished rows freed").
 """
 
 from __future__ import annotations

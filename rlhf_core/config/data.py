@@ -39,7 +39,7 @@ class ArithmeticDataConfig(Section):
     answer_style: Literal["result", "worked"] = Field(
         "result", description="The demonstrations' answer: `result`, the bare result (`68`); `worked`, the second "
                               "operand's tens then its ones, one step each, the result last (`23 + 40 = 63, "
-                              "63 + 5 = 68`: about 15 tokens, so raise `data.max_response_len`, "
+                              "63 + 5 = 68`: up to 24 tokens before the EOS, so raise `data.max_response_len`, "
                               "`rlhf.max_new_tokens` and `eval.max_new_tokens`). The checker reads the last "
                               "integer either way; rejected answers end in a wrong one.")
     base_negatives: int = Field(

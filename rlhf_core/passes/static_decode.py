@@ -136,6 +136,7 @@ class StaticDecoder:
         self.model, self.pad_token_id, self.use_graph, self.compile = model, pad_token_id, use_graph, compile
         self.batch, self.full_batch = batch, full_batch or batch
         self.rows = torch.arange(batch, device=device)
+        self.sampling = settings  # next_token's settings; a freed decoder also draws the full batch's noise rows
         self.settings = settings if self.full_batch == batch else {**settings, "rows": self.rows,
                                                                       "batch": self.full_batch}
         self.P, self.R = prompt_len, max_new_tokens
@@ -235,8 +236,7 @@ class StaticDecoder:
         finished = self.finished
         keep = torch.cat([(~finished).nonzero().squeeze(1), finished.nonzero().squeeze(1)])[:batch]
         small = StaticDecoder(self.model, batch, self.P, self.R, self.mask.device, self.cache.layers[0].keys.dtype,
-                              {k: v for k, v in self.settings.items() if k not in ("rows", "batch")},
-                              self.pad_token_id, self.use_graph, self.compile, self.full_batch)
+                              self.sampling, self.pad_token_id, self.use_graph, self.compile, self.full_batch)
         small.take_rows(self, keep)
         return small
 

@@ -12,8 +12,9 @@ SFT demonstrations use one answer style (``data.arithmetic.answer_style``): the 
 or a worked answer that adds or takes away the second operand's tens, then its ones, the result last
 (``render_worked``: "23 + 40 = 63, 63 + 5 = 68"). A worked answer's steps are shared by every question (the ones
 step of a two-digit sum is one of 1,000 facts, not one of 10,000 results), so what RL corrects in one question's
-steps carries to held-out ones. The checker (:func:`check_final_number`) only judges: a completion is right when
-the last integer it states is the result, so "78", "The answer is 78." and "23 + 45 = 78" all count.
+steps can carry to held-out ones (so far it has not: docs/results/smollm2.md). The checker
+(:func:`check_final_number`) only judges: a completion is right when the last integer it states is the result,
+so "78", "The answer is 78." and "23 + 45 = 78" all count.
 """
 
 from __future__ import annotations
