@@ -162,7 +162,8 @@ def build_value_model(params: Params, root: str | Path, init_from: str,
 def apply_lora(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.Module:
     """Wrap with peft LoRA adapters; for a ValueHeadModel the backbone is adapted and the head stays trainable.
     The adapters' random init is drawn after ``torch.manual_seed(seed)``: it depends on the seed alone, not on
-    what drew from the global generator before (a model loaded from a folder draws nothing)."""
+    what drew from the global generator before (a model loaded from a folder draws nothing). That reseeds the
+    global generator, so the caller's later draws follow from ``seed`` too."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
