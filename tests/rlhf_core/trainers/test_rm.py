@@ -434,6 +434,12 @@ def test_rm_dpo_objective_without_lora_names_the_keys(ws):
         train_rm(tiny_params("rm.objective=dpo", "rm.max_steps=1"), ws)
     with pytest.raises(TrainingInputError, match="rm.loss must be sequence, not divergence"):
         train_rm(tiny_params("rm.objective=dpo", "compute.lora.enabled=true", "rm.loss=divergence"), ws)
+    from rlhf_core.trainers.rm_objectives import OBJECTIVES
+
+    dpo = tiny_params("rm.objective=dpo", "compute.lora.enabled=true", "feedback.rm_init=previous")
+    with pytest.raises(TrainingInputError, match=r"feedback rounds \(feedback.rm_init: previous\) are not supported"):
+        OBJECTIVES["dpo"].check(dpo, "previous")  # what train_rm passes in round n >= 1 with rm_init previous
+    OBJECTIVES["dpo"].check(dpo, "sft")  # a round's RM from the SFT model is fine
 
 
 @pytest.mark.slow
