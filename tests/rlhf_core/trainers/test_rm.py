@@ -429,13 +429,12 @@ def test_rm_dpo_objective_learns_an_implicit_reward_that_rl_and_evaluation_read(
 def test_rm_dpo_objective_without_lora_names_the_keys(ws):
     from rlhf_core.engine.errors import TrainingInputError
     from rlhf_core.trainers.rm import train_rm
+    from rlhf_core.trainers.rm_objectives import OBJECTIVES
 
     with pytest.raises(TrainingInputError, match="rm.objective: dpo: compute.lora.enabled must be true"):
         train_rm(tiny_params("rm.objective=dpo", "rm.max_steps=1"), ws)
     with pytest.raises(TrainingInputError, match="rm.loss must be sequence, not divergence"):
         train_rm(tiny_params("rm.objective=dpo", "compute.lora.enabled=true", "rm.loss=divergence"), ws)
-    from rlhf_core.trainers.rm_objectives import OBJECTIVES
-
     dpo = tiny_params("rm.objective=dpo", "compute.lora.enabled=true", "feedback.rm_init=previous")
     with pytest.raises(TrainingInputError, match=r"feedback rounds \(feedback.rm_init: previous\) are not supported"):
         OBJECTIVES["dpo"].check(dpo, "previous")  # what train_rm passes in round n >= 1 with rm_init previous
