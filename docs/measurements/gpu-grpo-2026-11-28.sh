@@ -9,7 +9,9 @@
 # ptx term (TRL has none) and the compiled step became the default on a GPU:
 #   VERBS="ours trl ours_bf16 ours_mem ours_b trl_b ours_nocompile"
 # Next GPU session (compute.lean_rmsnorm, 16b0811, measured on the CPU only):
-#   VERBS="ours trl ours_plainnorm ours_mem ours_bf16 ours_b trl_b"
+#   VERBS="ours trl ours_plainnorm ours_mem ours_bf16 ours_b trl_b"   (run 7, H200)
+# Run 8, the same H200 session (the compiled decode step's kernels, device time only; a third pair):
+#   VERBS="profile ours_b trl_b"
 #   GPU: the wheels the image lacks in .whl (see gpu-grpo-2026-11-27b.sh), named in the call's carry
 #   CPU rehearsal at toy size:  SMALL=1 OUT=/tmp/grpo_cpu PY=.venv/bin/python bash docs/measurements/gpu-grpo-2026-11-28.sh
 source docs/measurements/gpu-grpo-common.sh
@@ -24,6 +26,7 @@ for v in ${VERBS:-decode ours trl ours_mem ours_compile ours_bf16}; do
         ours_b) verb ours_b 120 ours --engine static ;;
         trl_b) verb trl_b 150 trl ;;
         ours_plainnorm) verb ours_plainnorm 120 ours --engine static --set compute.lean_rmsnorm=false ;;
+        profile) verb profile 150 profile --engines static_compiled ;;
         ours_nocompile) verb ours_nocompile 120 ours --engine static --set rlhf.rollout_compile=false ;;
     esac
 done
