@@ -8,7 +8,7 @@ words of the completion (``bench_even_words``: the share of even-numbered words)
 every row trains. Each verb runs in its own process, so that peak memory is its own::
 
     python -m benchmarks.gpu_grpo workspace --root W     # the model, a word-level tokenizer, prepared prompts
-    python -m benchmarks.gpu_grpo decode --root W [--engines generate,static_eager,static,static_compiled]
+    python -m benchmarks.gpu_grpo decode --root W [--engines generate,static_eager,static,static_compiled,...]
     python -m benchmarks.gpu_grpo ours --root W [--engine static|generate] [--set compute.bf16_master=true ...]
         [--snapshot]   # + what the first training forward leaves alive, by the line that allocated it
     python -m benchmarks.gpu_grpo trl --root W
@@ -72,13 +72,14 @@ def decode_bound_s(model, rows: int, prompt_len: int, new_tokens: int, bandwidth
     return (new_tokens * weights + kv) / bandwidth
 
 
-ENGINES = ("generate", "static_eager", "static", "static_compiled")
+ENGINES = ("generate", "static_eager", "static", "static_compiled", "static_compiled_product")
 
 
 def sampler(engine: str, model, tok, ids, mask, new_tokens: int, group: int, compile: bool = False):
     """A function that samples ``new_tokens`` (EOS banned) after every row with ``engine``: ``generate`` (the
     rollout, texts decoded too: a few ms), or the static decoder without its graph, with it, or with its
-    forward compiled as well (``compile``: also without the graph)."""
+    forward compiled as well (``compile``: also without the graph), its decode attention as two products
+    (``static_compiled_product``: ``rlhf.rollout_attention: product``)."""
     from rlhf_core.passes.generation import GenerationConfig, rollout
     from rlhf_core.passes.static_decode import static_rollout
 
@@ -86,10 +87,11 @@ def sampler(engine: str, model, tok, ids, mask, new_tokens: int, group: int, com
         gen = GenerationConfig(new_tokens, min_new_tokens=new_tokens, engine="generate")
         return lambda: rollout(model, ids, mask, tok, gen, group_size=group).responses
     cuda = next(model.parameters()).device.type == "cuda"
-    graph, compiled = engine != "static_eager" and cuda, compile or engine == "static_compiled"
+    graph, compiled = not engine.startswith("static_eager") and cuda, compile or engine.startswith("static_compiled")
+    attention = "product" if engine.endswith("_product") else "sdpa"
     return lambda: static_rollout(model, ids, mask, new_tokens, tok.eos_token_id, tok.pad_token_id,
                                   min_new_tokens=new_tokens, group_size=group, use_graph=graph,
-                                  compile=compiled)[0]
+                                  compile=compiled, attention=attention)[0]
 
 
 def bench_decode(root: Path, repeats: int = 2, engines: tuple[str, ...] = ENGINES) -> dict:
@@ -141,8 +143,9 @@ def bench_profile(root: Path, engine: str = "generate", steps: int = 16) -> dict
     tok, ids, mask = rollout_inputs(root, work)
     model = AutoModelForCausalLM.from_pretrained(root / paths.SFT_MODEL, dtype=dtype()).to(device()).eval()
     steps = steps if engine == "generate" else work["new_tokens"]
-    sample = sampler("generate" if engine == "generate" else "static_eager", model, tok, ids, mask, steps,
-                     work["group"], compile=engine == "static_compiled")
+    eager = "static_eager_product" if engine.endswith("_product") else "static_eager"
+    sample = sampler("generate" if engine == "generate" else eager, model, tok, ids, mask, steps,
+                     work["group"], compile=engine.startswith("static_compiled"))
     sample()
     cuda = torch.cuda.is_available()
     host_too = engine == "generate" or not cuda  # a static step's host time is what its graph removes

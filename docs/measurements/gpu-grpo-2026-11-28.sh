@@ -12,6 +12,8 @@
 #   VERBS="ours trl ours_plainnorm ours_mem ours_bf16 ours_b trl_b"   (run 7, H200)
 # Run 8, the same H200 session (the compiled decode step's kernels, device time only; a third pair):
 #   VERBS="profile ours_b trl_b"
+# Next GPU session (rlhf.rollout_attention: product, the decode attention as two products, CPU-tested only):
+#   VERBS="decode_product ours trl ours_product profile_product"
 #   GPU: the wheels the image lacks in .whl (see gpu-grpo-2026-11-27b.sh), named in the call's carry
 #   CPU rehearsal at toy size:  SMALL=1 OUT=/tmp/grpo_cpu PY=.venv/bin/python bash docs/measurements/gpu-grpo-2026-11-28.sh
 source docs/measurements/gpu-grpo-common.sh
@@ -27,6 +29,9 @@ for v in ${VERBS:-decode ours trl ours_mem ours_compile ours_bf16}; do
         trl_b) verb trl_b 150 trl ;;
         ours_plainnorm) verb ours_plainnorm 120 ours --engine static --set compute.lean_rmsnorm=false ;;
         profile) verb profile 150 profile --engines static_compiled ;;
+        profile_product) verb profile_product 150 profile --engines static_compiled_product ;;
+        decode_product) verb decode_product 150 decode --engines static_compiled,static_compiled_product ;;
+        ours_product) verb ours_product 120 ours --engine static --set rlhf.rollout_attention=product ;;
         ours_nocompile) verb ours_nocompile 120 ours --engine static --set rlhf.rollout_compile=false ;;
     esac
 done

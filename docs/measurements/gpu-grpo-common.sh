@@ -2,7 +2,7 @@
 # the GPU image lacks (.whl, when present and not SMALL=1), the versions, the toy size for a CPU rehearsal
 # (SMALL=1), `verb NAME TIMEOUT_S ARGS...` (one `python -m benchmarks.gpu_grpo` process: its log, its JSON row
 # tagged with NAME in OUT/rows.jsonl, its exit code and time in OUT/summary.txt), the workspace, and `summarise`
-# (the rows without the profile tables, which go to OUT/profile.txt).
+# (the rows without the profile tables, which go to OUT/NAME.txt, NAME the verb's name).
 set -u
 export RLHF_TRACKING=off PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_grpo_out}; mkdir -p "$OUT"
@@ -37,7 +37,7 @@ import json
 for line in open('$OUT/rows.jsonl'):
     r = json.loads(line)
     if r['verb'] == 'profile':
-        open('$OUT/profile.txt', 'w').write(r['by_device'] + '\n' + r['by_host'])
+        open('$OUT/' + r['name'] + '.txt', 'w').write(r['by_device'] + '\n' + r['by_host'])
         continue
     print(json.dumps({k: v for k, v in r.items() if k not in ('by_device', 'by_host')})[:900])
 " | tee -a "$OUT/summary.txt"

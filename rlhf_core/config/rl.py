@@ -112,6 +112,13 @@ class RLHFConfig(OptimConfig):
                           "first rollout of a run pays the compile (tens of seconds); a compile that fails falls "
                           "back to the eager step, said once. The sampling stays eager: the same tokens for a "
                           "seed up to float rounding. No effect on a CPU (docs/results/benchmarks-gpu-rollout.md).")
+    rollout_attention: Literal["sdpa", "product"] = Field(
+        "sdpa", description="With `rollout_compile`, the compiled step's attention for the decode token: `sdpa` "
+                            "(the queries grouped over the KV heads, one SDPA call) or `product` (the same "
+                            "grouping written out as two matrix products and a float32 softmax, which read the "
+                            "KV cache once each; passes/grouped_attention.py). The same tokens for a seed up to "
+                            "float rounding. `product` is a candidate for the GPU decode step, not yet measured "
+                            "there (docs/results/benchmarks-gpu-rollout.md).")
     rollout_free_finished: bool = Field(
         True, description="With the `static` engine, rows that have finished leave the batch: when the live rows "
                           "fit in half of it they move to a decoder of the power of two that holds them (at least "

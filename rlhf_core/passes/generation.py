@@ -98,6 +98,7 @@ class GenerationConfig:
     record_logprobs: bool = False  # Rollout.logp: the sampled tokens' log-probs, taken while sampling
     engine: str = "auto"  # "generate", "static" (passes/static_decode.py) or "auto" (static on a GPU)
     compile_step: bool = False  # static engine: torch.compile the decode forward (rlhf.rollout_compile)
+    decode_attention: str = "sdpa"  # the compiled step's attention (rlhf.rollout_attention)
     free_finished: bool = True  # static engine: finished rows leave the batch (rlhf.rollout_free_finished)
 
 
@@ -219,7 +220,7 @@ def _static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
         responses, logp = static_rollout(
             model, prompt_ids, prompt_mask, gen.max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
             gen.temperature, gen.top_p, gen.do_sample, gen.min_new_tokens, group_size if shares else 1,
-            compile=gen.compile_step, free_finished=gen.free_finished)
+            compile=gen.compile_step, free_finished=gen.free_finished, attention=gen.decode_attention)
     keep_logp = gen.record_logprobs and not gen.min_new_tokens
     return _as_rollout(prompt_ids, prompt_mask, responses.cpu(), tokenizer, logp.cpu() if keep_logp else None)
 

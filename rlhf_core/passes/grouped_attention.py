@@ -12,8 +12,20 @@ computation for one query token, traced or not:
     o   = o'.reshape(B, H, 1, d).transpose(1, 2)           as transformers returns it
 
 and transformers' own ``sdpa_attention_forward`` for everything else (prefill, MHA, a position bias).
-:func:`grouped_decode` runs a call under that implementation and restores the model's own after, so training
-forwards never see it.
+
+:data:`GROUPED_PRODUCT` (``rlhf.rollout_attention: product``) is the same grouping with the attention written
+out, for one query token of any model (MHA too):
+
+    s   = (q' K^T) scale,  -inf where the mask is False   [B, H_kv, H / H_kv, L], float32 at least
+    o'  = softmax(s) V
+
+An SDPA flash kernel tiles the queries 64 or 128 rows at a time, and a decode step gives it
+``H / H_kv`` rows per (row, KV head): on an H200 its attention took 4.7x the time of reading the KV cache
+(docs/results/benchmarks-gpu-rollout.md, run 8). The two products read K and V once each, and the compile fuses
+the mask and softmax between them. Whether that is faster on a GPU is not measured yet.
+
+:func:`grouped_decode` runs a call under one of them and restores the model's own after, so training forwards
+never see it.
 """
 
 from __future__ import annotations
@@ -23,6 +35,8 @@ from contextlib import contextmanager
 import torch
 
 GROUPED_SDPA = "rlhf_grouped_sdpa"
+GROUPED_PRODUCT = "rlhf_grouped_product"
+DECODE_ATTENTION = {"sdpa": GROUPED_SDPA, "product": GROUPED_PRODUCT}  # rlhf.rollout_attention -> implementation
 
 
 def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -41,21 +55,44 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out.reshape(B, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def grouped_product(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs):
+    """transformers' attention-function signature; the module docstring's two products for one query token
+    (``H / H_kv`` = 1 for MHA), transformers' SDPA for the rest."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, H, q_len, d = query.shape
+    if q_len != 1 or dropout or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    q = query.reshape(B, H // groups, groups, d)
+    at_least_fp32 = torch.promote_types(query.dtype, torch.float32)
+    s = torch.matmul(q, key.transpose(-1, -2)).to(at_least_fp32) * (d ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        s = s.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool else s + attention_mask
+    out = torch.matmul(s.softmax(dim=-1).to(value.dtype), value)
+    return out.reshape(B, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
 def register() -> None:
-    """Register :data:`GROUPED_SDPA` with transformers (idempotent); its masks are SDPA's."""
+    """Register :data:`GROUPED_SDPA` and :data:`GROUPED_PRODUCT` with transformers (idempotent); their masks are
+    SDPA's."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    for name, fn in ((GROUPED_SDPA, grouped_sdpa), (GROUPED_PRODUCT, grouped_product)):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
 @contextmanager
-def grouped_decode(config):
-    """Run the block with ``config``'s attention set to :data:`GROUPED_SDPA` (an SDPA model's only); restore
-    it after."""
+def grouped_decode(config, implementation: str = GROUPED_SDPA):
+    """Run the block with ``config``'s attention set to ``implementation`` (:data:`GROUPED_SDPA` or
+    :data:`GROUPED_PRODUCT`; an SDPA model's only); restore it after."""
     own = config._attn_implementation
-    config._attn_implementation = GROUPED_SDPA
+    config._attn_implementation = implementation
     try:
         yield
     finally:

@@ -38,7 +38,8 @@ the step's elementwise work (RMSNorm, rotary, SiLU x up, residual adds) runs as 
 ~30 per layer. Traced, transformers' SDPA path repeats a GQA model's KV heads to the query heads for one query
 token (eagerly it groups the queries instead), which cost more than the fusion saved on an H100
 (docs/results/benchmarks-gpu-rollout.md); the compiled step therefore runs under ``grouped_attention``'s SDPA,
-which groups the queries traced too (its speed against the graph alone: the same page). It is compiled
+which groups the queries traced too (its speed against the graph alone: the same page), or with ``attention``
+``product`` under its two-product attention. It is compiled
 once per model (:func:`compiled_forward`; the optimizer updates the parameters in place, so the code stays
 valid), and only the model: the sampling stays eager, so a seed draws the same tokens up to the fused kernels'
 float rounding. A compile that fails is reported once and the step runs eagerly.
@@ -54,8 +55,8 @@ import logging
 import torch
 
 from rlhf_core.passes.group_packing import supports_packing
-from rlhf_core.passes.grouped_attention import grouped_decode
-from rlhf_core.passes.grouped_attention import register as register_grouped_sdpa
+from rlhf_core.passes.grouped_attention import DECODE_ATTENTION, grouped_decode
+from rlhf_core.passes.grouped_attention import register as register_grouped_attention
 from rlhf_core.passes.prefix_cache import model_config, position_ids
 
 log = logging.getLogger(__name__)
@@ -99,20 +100,28 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(remove, -float("inf"))
 
 
-def compiled_forward(model, backend="inductor"):
-    """``torch.compile(model.forward)`` (static shapes), made once per model and kept on it. It is traced and
-    called under ``grouped_attention.GROUPED_SDPA``: a GQA model's decode step reads the KV cache as it is."""
-    fn = model.__dict__.get("_static_decode_forward")
+def compiled_forward(model, backend="inductor", attention: str = "sdpa"):
+    """``torch.compile(model.forward)`` (static shapes), made once per model and ``attention`` and kept on it. It
+    is traced and called under ``grouped_attention.DECODE_ATTENTION[attention]``: a GQA model's decode step reads
+    the KV cache as it is, through SDPA or written out as two products (``product``)."""
+    slot = forward_slot(attention)
+    fn = model.__dict__.get(slot)
     if fn is None:
-        register_grouped_sdpa()
+        register_grouped_attention()
         compiled, config = torch.compile(model.forward, backend=backend, dynamic=False), model_config(model)
+        implementation = DECODE_ATTENTION[attention]
 
         def fn(**kwargs):
-            with grouped_decode(config):
+            with grouped_decode(config, implementation):
                 return compiled(**kwargs)
 
-        model.__dict__["_static_decode_forward"] = fn
+        model.__dict__[slot] = fn
     return fn
+
+
+def forward_slot(attention: str) -> str:
+    """Where :func:`compiled_forward` keeps the compiled forward for ``attention`` on the model."""
+    return "_static_decode_forward" + ("" if attention == "sdpa" else f"_{attention}")
 
 
 def unguard_cache(cache) -> None:
@@ -129,11 +138,12 @@ class StaticDecoder:
 
     def __init__(self, model, batch: int, prompt_len: int, max_new_tokens: int, device: torch.device,
                  dtype: torch.dtype, settings: dict, pad_token_id: int, use_graph: bool, compile: bool = False,
-                 full_batch: int = 0):
+                 full_batch: int = 0, attention: str = "sdpa"):
         from transformers import StaticCache
 
         config = model_config(model)
         self.model, self.pad_token_id, self.use_graph, self.compile = model, pad_token_id, use_graph, compile
+        self.attention = attention  # the compiled step's (grouped_attention.DECODE_ATTENTION)
         self.batch, self.full_batch = batch, full_batch or batch
         self.rows = torch.arange(batch, device=device)
         self.sampling = settings  # next_token's settings; a freed decoder also draws the full batch's noise rows
@@ -148,7 +158,7 @@ class StaticDecoder:
         self.forward = model.forward
         if compile:
             unguard_cache(self.cache)
-            self.forward = compiled_forward(model)
+            self.forward = compiled_forward(model, attention=attention)
         self.mask = torch.zeros(batch, L, dtype=torch.bool, device=device)
         self.token = torch.zeros(batch, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
@@ -201,7 +211,7 @@ class StaticDecoder:
                     root = inner
                 log.warning("static decode: torch.compile of %s failed (%s: %s); decoding eagerly",
                             type(self.model).__name__, type(root).__name__, (str(root).splitlines() or [""])[0])
-                self.model.__dict__["_static_decode_forward"] = self.forward = self.model.forward
+                self.model.__dict__[forward_slot(self.attention)] = self.forward = self.model.forward
                 self._step()
             self._step()
 
@@ -236,7 +246,8 @@ class StaticDecoder:
         finished = self.finished
         keep = torch.cat([(~finished).nonzero().squeeze(1), finished.nonzero().squeeze(1)])[:batch]
         small = StaticDecoder(self.model, batch, self.P, self.R, self.mask.device, self.cache.layers[0].keys.dtype,
-                              self.sampling, self.pad_token_id, self.use_graph, self.compile, self.full_batch)
+                              self.sampling, self.pad_token_id, self.use_graph, self.compile, self.full_batch,
+                              self.attention)
         small.take_rows(self, keep)
         return small
 
@@ -284,13 +295,14 @@ def static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, m
                    do_sample: bool = True, min_new_tokens: int = 0, group_size: int = 1,
                    use_graph: bool | None = None, check_every: int = 8,
                    compile: bool = False, free_finished: bool = True,
-                   min_rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                   min_rows: int = 8, attention: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
     """``(responses [B, R'], logp [B, R'])``: tokens sampled after the left-padded ``prompt_ids`` and their
     log-probs under ``softmax(logits / T)`` (before top-p, as the trainer scores them; with ``min_new_tokens``,
     the EOS ban included),
     ``R' <= max_new_tokens`` (cut after the last row's EOS), pad after a row's EOS. ``group_size`` > 1: the rows
     come in runs of identical prompts, each prefilled once. ``use_graph`` (default: on CUDA) captures the step,
-    ``compile`` compiles the model's forward first, ``free_finished`` frees finished rows down to batches of
+    ``compile`` compiles the model's forward first (its attention for the decode token: ``attention``, a key of
+    ``grouped_attention.DECODE_ATTENTION``), ``free_finished`` frees finished rows down to batches of
     ``min_rows`` (module docstring).
     Runs under ``torch.inference_mode()``; the model must pass ``supports_static_decode``."""
     device = next(model.parameters()).device
@@ -307,7 +319,7 @@ def static_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, m
         raise ValueError(f"static_rollout: rows do not come in runs of {group_size} identical prompts")
     with torch.inference_mode():
         decoder = StaticDecoder(model, B, P, max_new_tokens, device, dtype, settings, pad_token_id, use_graph,
-                                compile)
+                                compile, attention=attention)
         decoder.start(prompt_ids, prompt_mask, group_size)
         tokens, logp = decoder.tokens, decoder.logp  # the full batch's: a freed decoder writes its rows back
 

@@ -121,7 +121,7 @@ def build(params: Params, root: Path) -> RLHFBundle:
                            synced_gpus=compute.zero_stage == 3 and world > 1,
                            record_logprobs=cfg.rollout_logprobs == "generation", engine=cfg.rollout_engine,
                            compile_step=cfg.rollout_compile and actor.device.type == "cuda",
-                           free_finished=cfg.rollout_free_finished)
+                           free_finished=cfg.rollout_free_finished, decode_attention=cfg.rollout_attention)
     maker = ExperienceMaker(
         actor.module, ref, critic.module if critic is not None else None, reward, tok,
         MakerConfig(samples_per_prompt=cfg.samples_per_prompt, gen=gen,

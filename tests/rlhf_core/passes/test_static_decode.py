@@ -288,6 +288,64 @@ def test_grouped_sdpa_equals_transformers_sdpa_for_one_and_many_query_tokens():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("groups", [3, 1])
+def test_the_two_product_attention_equals_transformers_sdpa(groups):
+    """``grouped_product`` against transformers' SDPA on the same float64 inputs: one query token of a GQA layer
+    (3 query heads per KV head) and of an MHA layer, with a boolean mask (left padding and unwritten columns) and
+    an additive one; a prefill of three tokens is delegated to SDPA itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rlhf_core.passes.grouped_attention import grouped_product
+
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = groups, True
+    torch.manual_seed(2)
+    for q_len in (1, 3):
+        q = torch.randn(2, 2 * groups, q_len, 8, dtype=torch.float64)
+        k, v = torch.randn(2, 2, 6, 8, dtype=torch.float64), torch.randn(2, 2, 6, 8, dtype=torch.float64)
+        keep = torch.ones(2, 1, q_len, 6, dtype=torch.bool)
+        keep[0, ..., :2] = False  # a left-padded row
+        keep[..., 5] = False  # a cache column not written yet
+        additive = torch.zeros(2, 1, q_len, 6, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+        for mask in (keep, additive, None):
+            want, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
+            got, _ = grouped_product(layer, q, k, v, mask, scaling=0.3)
+            assert got.shape == want.shape == (2, q_len, 2 * groups, 8)
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_the_compiled_step_with_two_product_attention_draws_the_eager_steps_tokens():
+    """``attention="product"``: the traced decode step has no SDPA call left for the decode token (only the
+    prefill's, outside it), draws the eager step's tokens for the same seed, and is kept apart from the SDPA
+    step's compiled forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_core.passes.static_decode import forward_slot
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled_forward(model, backend=keep_graph, attention="product")
+    prompts = torch.tensor([[PAD, 1, 7, 8], [1, 7, 8, 9]]).repeat_interleave(4, dim=0)
+    mask = (prompts != PAD).long()
+    torch.manual_seed(5)
+    eager = static_rollout(model, prompts, mask, 6, 1, PAD, compile=False, group_size=4)
+    torch.manual_seed(5)
+    traced = static_rollout(model, prompts, mask, 6, 1, PAD, compile=True, group_size=4, attention="product")
+    assert graphs and not _sdpa_key_shapes(graphs)
+    assert torch.equal(eager[0], traced[0])
+    torch.testing.assert_close(eager[1], traced[1], atol=1e-5, rtol=0)
+    assert forward_slot("product") in model.__dict__ and forward_slot("sdpa") not in model.__dict__
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_a_fault_in_the_eager_warm_up_is_raised_as_it_is(caplog):
     """Without a compile, an error in the warm-up step (the step before a CUDA graph's capture) is the model's own:
     raised unchanged, with no word of a compile."""

@@ -533,8 +533,8 @@ def test_static_rollout_engine_collects_what_generate_collects(ws):
     from rlhf_core.passes.generation import response_logprobs
 
     tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.micro_batch_size=4", "rlhf.max_new_tokens=6",
-                  "rlhf.rollout_engine=static", "rlhf.rollout_compile=true")
-    assert tr.maker.cfg.gen.engine == "static"
+                  "rlhf.rollout_engine=static", "rlhf.rollout_compile=true", "rlhf.rollout_attention=product")
+    assert tr.maker.cfg.gen.engine == "static" and tr.maker.cfg.gen.decode_attention == "product"
     assert tr.maker.cfg.gen.compile_step is False  # rlhf.rollout_compile compiles on a GPU only
     torch.manual_seed(3)
     ours = tr.collect(0)
