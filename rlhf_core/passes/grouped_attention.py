@@ -16,8 +16,11 @@ and transformers' own ``sdpa_attention_forward`` for everything else (prefill, M
 :data:`GROUPED_PRODUCT` (``rlhf.rollout_attention: product``) is the same grouping with the attention written
 out, for one query token of any model (MHA too):
 
-    s   = (q' K^T) scale,  -inf where the mask is False   [B, H_kv, H / H_kv, L], float32 at least
+    s   = (q' K^T) scale,  -inf where the mask is False   [B, H_kv, H / H_kv, L]
     o'  = softmax(s) V
+
+The product is rounded to the model's dtype and the softmax taken in float32 at least, as transformers' eager
+attention does (SDPA keeps the scores in float32: in bf16 the two differ by the scores' bf16 rounding).
 
 An SDPA flash kernel tiles the queries 64 or 128 rows at a time, and a decode step gives it
 ``H / H_kv`` rows per (row, KV head): on an H200 its attention took 4.7x the time of reading the KV cache
