@@ -22,10 +22,10 @@ out, for one query token of any model (MHA too):
 The product is rounded to the model's dtype and the softmax taken in float32 at least, as transformers' eager
 attention does (SDPA keeps the scores in float32: in bf16 the two differ by the scores' bf16 rounding).
 
-An SDPA flash kernel tiles the queries 64 or 128 rows at a time, and a decode step gives it
-``H / H_kv`` rows per (row, KV head): on a GPU its attention took several times as long as reading the KV
-cache (run 8's profile in docs/results/benchmarks-gpu-rollout.md). The two products read K and V once each, and the compile fuses
-the mask and softmax between them. Whether that is faster on a GPU is not measured yet.
+An SDPA flash kernel tiles the queries 64 or 128 rows at a time, and a decode step gives it ``H / H_kv`` rows
+per (row, KV head): on a GPU its attention took several times as long as reading the KV cache (run 8's profile
+in docs/results/benchmarks-gpu-rollout.md). The two products read K and V once each, and the compile fuses the
+mask and softmax between them. Whether that is faster on a GPU is not measured yet.
 
 :func:`grouped_decode` runs a call under one of them and restores the model's own after, so training forwards
 never see it.
