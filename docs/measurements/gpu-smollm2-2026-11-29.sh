@@ -7,6 +7,9 @@
 #
 # The model travels as its GGUF (98.4 MB): with the wheels it is over one call's 64 MiB, so in three parts.
 #   here, once:  bash docs/measurements/gpu-smollm2-2026-11-29.sh split    # .smol1/ .smol2/ .smol3/ (ignored)
+#   .whl (ignored) holds what the image lacks, as for gpu-grpo-*.sh (pip download, python 3.12, manylinux):
+#                transformers 5.23.0, pydantic 2.14.3 + pydantic_core 2.50.4 + annotated_types + typing_inspection,
+#                gguf 0.19.0, peft 0.21.2 (the rest the image has); 21 MB with trl, datasets and deepspeed beside
 #   device:      run carry [".whl", ".smol1"] "true"; at once (a machine stays warm 30 s) carry [".smol2"] "true";
 #                at once carry [".smol3"] "PARTS=stages bash docs/measurements/gpu-smollm2-2026-11-29.sh run"
 #                (about 4 minutes, a guess), then at once "PARTS=budget bash ..." (9 RL runs side by side on the
