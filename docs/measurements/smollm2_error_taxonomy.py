@@ -1,0 +1,100 @@
+# ruff: noqa  -- a one-off measurement script, kept as it ran (figures: docs/results/smollm2.md)
+"""Where SFT's held-out errors are, and what RL changes: per question, not only the mean (issue 27).
+
+Judges each model greedily on the 300 held-out questions of smollm2_heldout_300.py (the RL stage's 100 plus the
+SFT split's 200), as the stage judges, and keeps every answer. Each question is tagged by its operation (from
+the operands and the answer), by whether it needs a carry or a borrow in the ones digit, and by its phrasing
+(the user turn with every number replaced by '#'). Prints, per model, the accuracy by tag, and for every model
+after the first the flips against the first (right -> wrong, wrong -> right): a gain is fewer errors, churn is
+many flips both ways.
+Run:  OMP_NUM_THREADS=1 python docs/measurements/smollm2_error_taxonomy.py WS OUT.jsonl MODEL_DIR...
+(WS: a configs/smollm2.yaml workspace; OUT: one row per model and question; the first model is the baseline)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, "/work/main")
+from transformers import AutoModelForCausalLM
+
+from rlhf_core.config import load_params
+from rlhf_core.data.collate import encode_prompts
+from rlhf_core.data.tokenizer import load_tokenizer
+from rlhf_core.evaluation import HeldOut, answer_batches
+from rlhf_core.rewards.checkers import get_checker
+from rlhf_core.trainers.common import read_split
+from rlhf_core.trainers.rlhf.inputs import load_prompts
+
+ws, out_path = Path(sys.argv[1]), Path(sys.argv[2])
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if device.type == "cpu":
+    torch.set_num_threads(1)
+params = load_params(ws / "params.yaml")
+tok = load_tokenizer(ws / "models/sft")
+check = get_checker(params.eval.checker)
+
+
+def user_turn(prompt: str) -> str:
+    return prompt.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+
+
+def tags(prompt: str, answer: str) -> dict:
+    text = user_turn(prompt)
+    a, b = (int(x) for x in re.findall(r"\d+", text)[:2])
+    ans = int(answer)
+    if ans == a + b:
+        op, carry = "plus", (a % 10 + b % 10) >= 10
+    elif ans in (a - b, b - a):
+        hi, lo = max(a, b), min(a, b)
+        op, carry = "minus", (hi % 10) < (lo % 10)
+    else:
+        op, carry = "other", False
+    return {"op": op, "carry": carry, "phrasing": re.sub(r"\d+", "#", text)}
+
+
+rl = load_prompts(params, ws, tok).heldout
+sft = read_split(ws, "sft", eval_split=True, columns=("prompt", "answer"))
+prompts = list(rl.prompts) + list(sft["prompt"])
+answers = [str(a) for a in list(rl.answers) + list(sft["answer"])]
+data = HeldOut(prompts, answers, encode_prompts(tok, prompts, params.data.max_prompt_len))
+qtags = [tags(p, a) for p, a in zip(prompts, answers)]
+
+results: dict[str, list[bool]] = {}
+with out_path.open("w") as out:
+    for folder in sys.argv[3:]:
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
+        ok = [False] * len(prompts)
+        with torch.inference_mode():
+            for rows, _, roll in answer_batches(model, tok, data, params.eval.batch_size, params.eval.max_new_tokens):
+                for j, text in zip(rows.tolist(), roll.texts):
+                    ok[j] = bool(check(text, answers[j]))
+                    out.write(json.dumps({"model": folder, "q": j, "answer": answers[j], "completion": text,
+                                          "correct": ok[j], **qtags[j]}) + "\n")
+        results[folder] = ok
+        by = collections.defaultdict(lambda: [0, 0])
+        for t, c in zip(qtags, ok):
+            for key in (f"op={t['op']}", f"carry={t['carry']}", f"op={t['op']},carry={t['carry']}"):
+                by[key][0] += c
+                by[key][1] += 1
+        row = {"model": folder, "accuracy_300": sum(ok) / len(ok),
+               "by_tag": {k: f"{v[0]}/{v[1]}" for k, v in sorted(by.items())}, "s": round(time.perf_counter() - t0, 1)}
+        base = next(iter(results.values()))
+        if results[folder] is not base:
+            row["right_to_wrong"] = sum(b and not c for b, c in zip(base, ok))
+            row["wrong_to_right"] = sum(c and not b for b, c in zip(base, ok))
+        phr = collections.defaultdict(lambda: [0, 0])
+        for t, c in zip(qtags, ok):
+            phr[t["phrasing"]][0] += c
+            phr[t["phrasing"]][1] += 1
+        row["worst_phrasings"] = sorted(((f"{v[0]}/{v[1]}", k) for k, v in phr.items() if v[1] >= 5),
+                                        key=lambda x: eval(x[0]))[:6]
+        print(json.dumps(row), flush=True)
