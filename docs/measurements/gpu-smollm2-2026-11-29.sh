@@ -2,8 +2,9 @@
 # The SmolLM2 profile (configs/smollm2.yaml) on one GPU (issue 27): each stage's wall time, then the RL budget
 # the 2-core CPU cannot give. The oracle control (the checker as the only reward) from the profile's SFT model on
 # fresh prompts at 1x, 4x and 16x the profile's RL samples, 3 seeds each, all side by side on the one GPU, each
-# actor then judged on 300 held-out questions (docs/measurements/smollm2_heldout_300.py). Prepared and rehearsed
-# on the CPU (SMALL=1) on 2026-11-29; not yet run on a GPU.
+# actor then judged on 300 held-out questions, per question against the SFT model's answers
+# (docs/measurements/smollm2_error_taxonomy.py). Prepared and rehearsed on the CPU (SMALL=1) on 2026-11-29; not
+# yet run on a GPU.
 #
 # The model travels as its GGUF (98.4 MB): with the wheels it is over one call's 64 MiB, so in three parts.
 #   here, once:  bash docs/measurements/gpu-smollm2-2026-11-29.sh split    # .smol1/ .smol2/ .smol3/ (ignored)
@@ -18,7 +19,8 @@
 #   CPU rehearsal, a few steps of each part from the package's GGUF:
 #                SMALL=1 OUT=/tmp/smol_gpu bash docs/measurements/gpu-smollm2-2026-11-29.sh run
 # OUT gets summary.txt (every part's exit code and time), rows.jsonl (stage metrics, the budget runs, the
-# 300-question judgements) and logs.tgz.
+# 300-question judgements with the flips against SFT), questions.jsonl (every model's answer to each question) and
+# logs.tgz.
 set -u
 REPO=$PWD
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -103,7 +105,8 @@ done
 timed budget 540 "$PY" -m benchmarks.learning --workspace "$B" --out "$OUT/budget" --seeds "$SEEDS" --jobs "$JOBS" \
     "${S[@]}" "${VARIANTS[@]}"
 sed 's/^{/{"part": "budget", /' "$OUT/budget/results.jsonl" >> "$OUT/rows.jsonl" 2>/dev/null
-timed heldout_300 240 "$PY" docs/measurements/smollm2_heldout_300.py "$B" "$W/models/sft" "$OUT"/budget/*/models/actor
+timed heldout_300 240 "$PY" docs/measurements/smollm2_error_taxonomy.py "$B" "$OUT/questions.jsonl" "$W/models/sft" \
+    "$OUT"/budget/*/models/actor
 grep '^{' "$OUT/heldout_300.log" | sed 's/^{/{"part": "heldout_300", /' >> "$OUT/rows.jsonl"
 rm -rf "$OUT"/budget/*/models "$OUT"/budget/*/checkpoints "$OUT"/budget/*/data
 tar czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz budget $(cd "$OUT" && ls ./*.log) 2>/dev/null

@@ -4,17 +4,19 @@
 Judges each model greedily on the 300 held-out questions of smollm2_heldout_300.py (the RL stage's 100 plus the
 SFT split's 200), as the stage judges, and keeps every answer. Each question is tagged by its operation (from
 the operands and the answer), by whether it needs a carry or a borrow in the ones digit, and by its phrasing
-(the user turn with every number replaced by '#'). Prints, per model, the accuracy by tag, and for every model
-after the first the flips against the first (right -> wrong, wrong -> right): a gain is fewer errors, churn is
-many flips both ways.
+(the user turn with every number replaced by '#'); each wrong worked answer by its first wrong step. Prints,
+per model, the accuracy of each set and by tag, and for every model after the first the flips against the
+first (right -> wrong, wrong -> right): a gain is fewer errors, churn is many flips both ways.
 Run:  OMP_NUM_THREADS=1 python docs/measurements/smollm2_error_taxonomy.py WS OUT.jsonl MODEL_DIR...
-(WS: a configs/smollm2.yaml workspace; OUT: one row per model and question; the first model is the baseline)
+(WS: a configs/smollm2.yaml workspace; OUT: one row per model and question; the first model is the baseline;
+HELDOUT_LIMIT=N judges only the first N of each set, for a rehearsal)
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import re
 import sys
 import time
@@ -40,6 +42,7 @@ if device.type == "cpu":
 params = load_params(ws / "params.yaml")
 tok = load_tokenizer(ws / "models/sft")
 check = get_checker(params.eval.checker)
+limit = int(os.environ.get("HELDOUT_LIMIT", 10**9))
 
 
 def user_turn(prompt: str) -> str:
@@ -60,10 +63,22 @@ def tags(prompt: str, answer: str) -> dict:
     return {"op": op, "carry": carry, "phrasing": re.sub(r"\d+", "#", text)}
 
 
+def error_kind(completion: str) -> str:
+    """Of a wrong worked answer: the first step whose own arithmetic is wrong, else the operands or operation."""
+    steps = re.findall(r"(\d+)\s*([+-])\s*(\d+)\s*=\s*(\d+)", completion)
+    if not steps:
+        return "no equation"
+    for i, (x, op, y, z) in enumerate(steps, 1):
+        if (int(x) + int(y) if op == "+" else int(x) - int(y)) != int(z):
+            return f"step {i} arithmetic"
+    return "operands or operation"
+
+
 rl = load_prompts(params, ws, tok).heldout
 sft = read_split(ws, "sft", eval_split=True, columns=("prompt", "answer"))
-prompts = list(rl.prompts) + list(sft["prompt"])
-answers = [str(a) for a in list(rl.answers) + list(sft["answer"])]
+n_rl = len(rl.prompts[:limit])
+prompts = list(rl.prompts[:limit]) + list(sft["prompt"][:limit])
+answers = [str(a) for a in list(rl.answers[:limit]) + list(sft["answer"][:limit])]
 data = HeldOut(prompts, answers, encode_prompts(tok, prompts, params.data.max_prompt_len))
 qtags = [tags(p, a) for p, a in zip(prompts, answers)]
 
@@ -73,10 +88,13 @@ with out_path.open("w") as out:
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
         ok = [False] * len(prompts)
+        kinds = collections.Counter()
         with torch.inference_mode():
             for rows, _, roll in answer_batches(model, tok, data, params.eval.batch_size, params.eval.max_new_tokens):
                 for j, text in zip(rows.tolist(), roll.texts):
                     ok[j] = bool(check(text, answers[j]))
+                    if not ok[j]:
+                        kinds[error_kind(text)] += 1
                     out.write(json.dumps({"model": folder, "q": j, "answer": answers[j], "completion": text,
                                           "correct": ok[j], **qtags[j]}) + "\n")
         results[folder] = ok
@@ -85,8 +103,11 @@ with out_path.open("w") as out:
             for key in (f"op={t['op']}", f"carry={t['carry']}", f"op={t['op']},carry={t['carry']}"):
                 by[key][0] += c
                 by[key][1] += 1
-        row = {"model": folder, "accuracy_300": sum(ok) / len(ok),
-               "by_tag": {k: f"{v[0]}/{v[1]}" for k, v in sorted(by.items())}, "s": round(time.perf_counter() - t0, 1)}
+        row = {"model": folder, "rl_heldout_accuracy": sum(ok[:n_rl]) / n_rl, "rl_heldout_n": n_rl,
+               "sft_heldout_accuracy": sum(ok[n_rl:]) / (len(ok) - n_rl), "sft_heldout_n": len(ok) - n_rl,
+               "accuracy_300": sum(ok) / len(ok),
+               "by_tag": {k: f"{v[0]}/{v[1]}" for k, v in sorted(by.items())}, "error_kinds": dict(kinds),
+               "s": round(time.perf_counter() - t0, 1)}
         base = next(iter(results.values()))
         if results[folder] is not base:
             row["right_to_wrong"] = sum(b and not c for b, c in zip(base, ok))
