@@ -3,10 +3,11 @@
 
 Judges each model greedily on the 300 held-out questions of smollm2_heldout_300.py (the RL stage's 100 plus the
 SFT split's 200), as the stage judges, and keeps every answer. Each question is tagged by its operation (from
-the operands and the answer), by whether it needs a carry or a borrow in the ones digit, and by its phrasing
-(the user turn with every number replaced by '#'); each wrong worked answer by its first wrong step. Prints,
-per model, the accuracy of each set and by tag, and for every model after the first the flips against the
-first (right -> wrong, wrong -> right): a gain is fewer errors, churn is many flips both ways.
+the operands and the answer), by whether it needs a carry or a borrow in the ones digit, by its phrasing
+(the user turn with every number replaced by '#') and by whether a training row used that phrasing; each wrong
+worked answer by its first wrong step. Prints, per model, the accuracy of each set and by tag, and for every
+model after the first the flips against the first (right -> wrong, wrong -> right): a gain is fewer errors,
+churn is many flips both ways.
 Run:  OMP_NUM_THREADS=1 python docs/measurements/smollm2_error_taxonomy.py WS OUT.jsonl MODEL_DIR...
 (WS: a configs/smollm2.yaml workspace; OUT: one row per model and question; the first model is the baseline;
 HELDOUT_LIMIT=N judges only the first N of each set, for a rehearsal)
@@ -22,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 sys.path.insert(0, "/work/main")
@@ -49,6 +51,16 @@ def user_turn(prompt: str) -> str:
     return prompt.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
 
 
+def phrasing(prompt: str) -> str:
+    return re.sub(r"\d+", "#", user_turn(prompt))
+
+
+# the phrasings of every training row (SFT, pairs, RL prompts): a held-out question is asked in one of them (its
+# operand pair held out) or in a held-out phrasing
+training_phrasings = {phrasing(p) for f in (ws / "data/prepared").glob("*.parquet") if not f.name.startswith("eval")
+                      for p in pd.read_parquet(f, columns=["prompt"])["prompt"]}
+
+
 def tags(prompt: str, answer: str) -> dict:
     text = user_turn(prompt)
     a, b = (int(x) for x in re.findall(r"\d+", text)[:2])
@@ -60,7 +72,8 @@ def tags(prompt: str, answer: str) -> dict:
         op, carry = "minus", (hi % 10) < (lo % 10)
     else:
         op, carry = "other", False
-    return {"op": op, "carry": carry, "phrasing": re.sub(r"\d+", "#", text)}
+    return {"op": op, "carry": carry, "phrasing": phrasing(prompt),
+            "training_phrasing": phrasing(prompt) in training_phrasings}
 
 
 def error_kind(completion: str) -> str:
@@ -100,7 +113,8 @@ with out_path.open("w") as out:
         results[folder] = ok
         by = collections.defaultdict(lambda: [0, 0])
         for t, c in zip(qtags, ok):
-            for key in (f"op={t['op']}", f"carry={t['carry']}", f"op={t['op']},carry={t['carry']}"):
+            for key in (f"op={t['op']}", f"carry={t['carry']}", f"op={t['op']},carry={t['carry']}",
+                        f"training_phrasing={t['training_phrasing']}"):
                 by[key][0] += c
                 by[key][1] += 1
         row = {"model": folder, "rl_heldout_accuracy": sum(ok[:n_rl]) / n_rl, "rl_heldout_n": n_rl,
@@ -116,6 +130,6 @@ with out_path.open("w") as out:
         for t, c in zip(qtags, ok):
             phr[t["phrasing"]][0] += c
             phr[t["phrasing"]][1] += 1
-        row["worst_phrasings"] = sorted(((f"{v[0]}/{v[1]}", k) for k, v in phr.items() if v[1] >= 5),
-                                        key=lambda x: eval(x[0]))[:6]
+        worst = sorted((v[0] / v[1], f"{v[0]}/{v[1]}", k) for k, v in phr.items() if v[1] >= 5)[:6]
+        row["worst_phrasings"] = [[right, k] for _, right, k in worst]
         print(json.dumps(row), flush=True)
