@@ -30,12 +30,10 @@ sys.path.insert(0, "/work/main")
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import load_params
-from rlhf_core.data.collate import encode_prompts
 from rlhf_core.data.tokenizer import load_tokenizer
-from rlhf_core.evaluation import HeldOut, answer_batches
+from rlhf_core.evaluation import answer_batches
 from rlhf_core.rewards.checkers import get_checker
-from rlhf_core.trainers.common import read_split
-from rlhf_core.trainers.rlhf.inputs import load_prompts
+from smollm2_questions import as_held_out, held_out_questions
 
 ws, out_path = Path(sys.argv[1]), Path(sys.argv[2])
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,15 +85,25 @@ def error_kind(completion: str) -> str:
     return "operands or operation"
 
 
-rl = load_prompts(params, ws, tok).heldout
-sft = read_split(ws, "sft", eval_split=True, columns=("prompt", "answer"))
-n_rl = len(rl.prompts[:limit])
-prompts = list(rl.prompts[:limit]) + list(sft["prompt"][:limit])
-answers = [str(a) for a in list(rl.answers[:limit]) + list(sft["answer"][:limit])]
-data = HeldOut(prompts, answers, encode_prompts(tok, prompts, params.data.max_prompt_len))
+questions = held_out_questions(ws, params, tok, limit)
+n_rl = len(questions["rl_heldout"][0])
+prompts = [p for q, _ in questions.values() for p in q]
+answers = [str(a) for _, q in questions.values() for a in q]
+data = as_held_out(tok, params, prompts, answers)
 qtags = [tags(p, a) for p, a in zip(prompts, answers)]
 
-results: dict[str, list[bool]] = {}
+
+def tally(ok: list[bool], keys_of) -> dict[str, list[int]]:
+    """``{key: [right, asked]}`` over the questions, each counted under every key ``keys_of(its tags)`` gives."""
+    counts = collections.defaultdict(lambda: [0, 0])
+    for t, c in zip(qtags, ok):
+        for key in keys_of(t):
+            counts[key][0] += c
+            counts[key][1] += 1
+    return counts
+
+
+base: list[bool] | None = None  # the first model's judgements, which the others' flips are counted against
 with out_path.open("w") as out:
     for folder in sys.argv[3:]:
         t0 = time.perf_counter()
@@ -110,26 +118,19 @@ with out_path.open("w") as out:
                         kinds[error_kind(text)] += 1
                     out.write(json.dumps({"model": folder, "q": j, "answer": answers[j], "completion": text,
                                           "correct": ok[j], **qtags[j]}) + "\n")
-        results[folder] = ok
-        by = collections.defaultdict(lambda: [0, 0])
-        for t, c in zip(qtags, ok):
-            for key in (f"op={t['op']}", f"carry={t['carry']}", f"op={t['op']},carry={t['carry']}",
-                        f"training_phrasing={t['training_phrasing']}"):
-                by[key][0] += c
-                by[key][1] += 1
+        by = tally(ok, lambda t: (f"op={t['op']}", f"carry={t['carry']}", f"op={t['op']},carry={t['carry']}",
+                                  f"training_phrasing={t['training_phrasing']}"))
         row = {"model": folder, "rl_heldout_accuracy": sum(ok[:n_rl]) / n_rl, "rl_heldout_n": n_rl,
                "sft_heldout_accuracy": sum(ok[n_rl:]) / (len(ok) - n_rl), "sft_heldout_n": len(ok) - n_rl,
                "accuracy_300": sum(ok) / len(ok),
                "by_tag": {k: f"{v[0]}/{v[1]}" for k, v in sorted(by.items())}, "error_kinds": dict(kinds),
                "s": round(time.perf_counter() - t0, 1)}
-        base = next(iter(results.values()))
-        if results[folder] is not base:
+        if base is None:
+            base = ok
+        else:
             row["right_to_wrong"] = sum(b and not c for b, c in zip(base, ok))
             row["wrong_to_right"] = sum(c and not b for b, c in zip(base, ok))
-        phr = collections.defaultdict(lambda: [0, 0])
-        for t, c in zip(qtags, ok):
-            phr[t["phrasing"]][0] += c
-            phr[t["phrasing"]][1] += 1
+        phr = tally(ok, lambda t: (t["phrasing"],))
         worst = sorted((v[0] / v[1], f"{v[0]}/{v[1]}", k) for k, v in phr.items() if v[1] >= 5)[:6]
         row["worst_phrasings"] = [[right, k] for _, right, k in worst]
         print(json.dumps(row), flush=True)

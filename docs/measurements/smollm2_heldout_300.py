@@ -24,11 +24,9 @@ sys.path.insert(0, "/work/main")
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import load_params
-from rlhf_core.data.collate import encode_prompts
-from rlhf_core.trainers.common import read_split
 from rlhf_core.data.tokenizer import load_tokenizer
-from rlhf_core.evaluation import HeldOut, heldout_eval
-from rlhf_core.trainers.rlhf.inputs import load_prompts
+from rlhf_core.evaluation import heldout_eval
+from smollm2_questions import as_held_out, held_out_questions
 
 ws = Path(sys.argv[1])
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -37,23 +35,13 @@ if device.type == "cpu":
 params = load_params(ws / "params.yaml")
 tok = load_tokenizer(ws / "models/sft")
 limit = int(os.environ.get("HELDOUT_LIMIT", 10**9))
-
-
-def held_out(prompts: list[str], answers: list) -> HeldOut:
-    """The first ``limit`` questions, tokenised as the RL stage tokenises its prompts."""
-    texts = list(prompts[:limit])
-    return HeldOut(texts, list(answers[:limit]), encode_prompts(tok, texts, params.data.max_prompt_len))
-
-
-rl = load_prompts(params, ws, tok).heldout
-sft = read_split(ws, "sft", eval_split=True, columns=("prompt", "answer"))
-rl_heldout, sft_heldout = held_out(rl.prompts, rl.answers), held_out(sft["prompt"], sft["answer"])
+sets = {name: as_held_out(tok, params, *q) for name, q in held_out_questions(ws, params, tok, limit).items()}
 for folder in sys.argv[2:]:
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
     row = {"model": folder}
     with torch.inference_mode():
-        for name, data in (("rl_heldout", rl_heldout), ("sft_heldout", sft_heldout)):
+        for name, data in sets.items():
             out = heldout_eval(model, tok, data, params.eval, device)
             row[f"{name}_accuracy"] = out["accuracy"]
             row[f"{name}_n"] = len(data.prompts)

@@ -1,0 +1,27 @@
+# ruff: noqa  -- a helper of the one-off measurement scripts beside it (figures: docs/results/smollm2.md)
+"""The held-out questions of a configs/smollm2.yaml workspace, as smollm2_heldout_300.py and
+smollm2_error_taxonomy.py judge them: the RL stage's held-out prompts (eval_prompts.parquet, 100) and the SFT
+split's held-out questions (eval_sft.parquet, 200; the same operand-pair and phrasing split, never trained on).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf_core.data.collate import encode_prompts
+from rlhf_core.evaluation import HeldOut
+from rlhf_core.trainers.common import read_split
+from rlhf_core.trainers.rlhf.inputs import load_prompts
+
+
+def held_out_questions(ws: Path, params, tok, limit: int) -> dict[str, tuple[list[str], list]]:
+    """``{"rl_heldout": (prompts, answers), "sft_heldout": (prompts, answers)}``, the first ``limit`` of each."""
+    rl = load_prompts(params, ws, tok).heldout
+    sft = read_split(ws, "sft", eval_split=True, columns=("prompt", "answer"))
+    return {"rl_heldout": (list(rl.prompts[:limit]), list(rl.answers[:limit])),
+            "sft_heldout": (list(sft["prompt"][:limit]), list(sft["answer"][:limit]))}
+
+
+def as_held_out(tok, params, prompts: list[str], answers: list) -> HeldOut:
+    """The questions tokenised as the RL stage tokenises its prompts."""
+    return HeldOut(prompts, answers, encode_prompts(tok, prompts, params.data.max_prompt_len))
