@@ -21,7 +21,8 @@ The same inputs and budget as ``rlhf stage rlhf`` with ``rlhf.algorithm: grpo`` 
 
 The trained policy is scored by ``rlhf_core.evaluation.heldout_eval`` (greedy held-out accuracy, proxy reward,
 exact KL to the SFT model) and ``metrics/rlhf.json`` is written with the keys ``learning`` reads, so both frameworks are
-measured by one evaluator.
+measured by one evaluator. The policy is saved to ``models/actor`` as ours is (adapters merged, with the tokenizer),
+so any later judge (the per-question ones of docs/measurements) reads both the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
 
     from rlhf_core.data.tokenizer import load_tokenizer
     from rlhf_core.evaluation import heldout_eval, step_judge
+    from rlhf_core.models.loading import save_causal_lm
     from rlhf_core.ops import paths
     from rlhf_core.ops.atomic import write_json_atomic
     from rlhf_core.rewards.sources import RewardSources
@@ -114,6 +116,8 @@ def train_trl_grpo(params, root: str | Path = ".") -> dict:
                           callbacks=[timer], peft_config=peft_config)
     trainer.train()
     final = heldout_eval(trainer.model, tok, held, params.eval, "cpu", ref=ref, reward=reward, step_judge=steps)
+    save_causal_lm(trainer.model, root / paths.ACTOR_MODEL)
+    tok.save_pretrained(root / paths.ACTOR_MODEL)
     metrics = {
         "framework": f"trl {trl.__version__}", "algorithm": "grpo", "steps": cfg.num_steps,
         "optimizer_steps": trainer.state.global_step, "sft_accuracy": sft_eval["accuracy"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 
 from benchmarks.learning import Variant, mean_spread, provenance, render, rm_build, summarise
@@ -111,6 +112,12 @@ def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
         assert rows[name]["common_overrides"] == ["rlhf.grpo.beta=0.04"]
     trl_metrics = json.loads((out / "trl-s1" / "metrics" / "rlhf.json").read_text())
     assert trl_metrics["framework"].startswith("trl ") and trl_metrics["optimizer_steps"] == 2 * 2  # 16 rows / 8
+    from transformers import AutoModelForCausalLM  # TRL's trained policy saved as ours: a plain HF folder
+
+    saved, sft = (AutoModelForCausalLM.from_pretrained(d).state_dict()
+                  for d in (out / "trl-s1/models/actor", base / "models/sft"))
+    assert (out / "trl-s1/models/actor/tokenizer_config.json").exists() and saved.keys() == sft.keys()
+    assert not all(torch.equal(saved[k], sft[k]) for k in sft)  # the trained weights, not SFT's
     main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "ours=rlhf.algorithm=grpo", "trl",
           "trl_ptx=rlhf.ptx_coef=0.5,rlhf.grpo.drop_uniform_groups=true"])
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
