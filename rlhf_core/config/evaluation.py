@@ -21,6 +21,14 @@ class EvalConfig(Section):
                              "and after RL: `sft_seen_accuracy` and `seen_accuracy` in metrics/rlhf.json beside the "
                              "held-out `accuracy`. A gain on the prompts RL trained on that the held-out prompts do "
                              "not share is memorisation, not learning. Needs the checker's answers; 0: off.")
+    sampled_answers: int = Field(
+        0, ge=0, description="RLHF: also judge K answers per held-out prompt, sampled as the rollouts sample "
+                             "(`rlhf.temperature`; one torch seed, `project.seed`, for both models), before and "
+                             "after RL: `sft_sampled_accuracy` and `sampled_accuracy` in metrics/rlhf.json beside "
+                             "the greedy `accuracy`. RL raises the reward of sampled answers; the greedy answer "
+                             "changes only where the most likely answer does, so a sampled gain under a flat "
+                             "greedy accuracy is RL sharpening what SFT already answers. Needs the checker's "
+                             "answers; costs K times the held-out rollouts; 0: off.")
     temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
     batch_size: int = Field(64, ge=1)
     judge: Literal["auto", "checker", "model", "none"] = Field(

@@ -124,6 +124,7 @@ class Prompts:
     tokens: Ragged
     heldout: HeldOut
     seen: HeldOut | None = None  # the first ``eval.seen_prompts`` training prompts, judged as the held-out ones
+    sampled: HeldOut | None = None  # each held-out prompt ``eval.sampled_answers`` times, for sampled answers
 
     @property
     def has_answers(self) -> bool:
@@ -146,10 +147,17 @@ def load_prompts(params: Params, root: Path, tokenizer) -> Prompts:
     if n_seen and not has_answers:
         raise TrainingInputError(f"eval.seen_prompts: {params.eval.seen_prompts} judges training prompts with the "
                                  f"checker, but {paths.prepared_file('prompts')} has no answers")
+    k = params.eval.sampled_answers
+    if k and not has_answers:
+        raise TrainingInputError(f"eval.sampled_answers: {k} judges sampled answers with the checker, but "
+                                 f"{paths.prepared_file('prompts')} has no answers")
     tokens = encode(train["prompt"])
     first = torch.arange(n_seen)
     seen = HeldOut(train["prompt"][:n_seen], train["answer"][:n_seen], tokens.select(first)) if n_seen else None
-    return Prompts(train["prompt"], train["answer"], tokens, heldout, seen)
+    repeat = torch.arange(len(texts)).repeat_interleave(k)
+    sampled = HeldOut([texts[i] for i in repeat.tolist()], [answers[i] for i in repeat.tolist()],
+                      heldout.tokens.select(repeat)) if k else None
+    return Prompts(train["prompt"], train["answer"], tokens, heldout, seen, sampled)
 
 
 def ptx_keep(scores: torch.Tensor, min_reward: float) -> torch.Tensor:

@@ -105,6 +105,8 @@ def heldout_summary(before: dict, final: dict, ema_eval: dict | None, kl_bound: 
            if "step_accuracy" in final else {}),
         **({"sft_seen_accuracy": before.get("seen_accuracy"), "seen_accuracy": final["seen_accuracy"]}
            if "seen_accuracy" in final else {}),
+        **({"sft_sampled_accuracy": before.get("sampled_accuracy"), "sampled_accuracy": final["sampled_accuracy"]}
+           if "sampled_accuracy" in final else {}),
     }
 
 

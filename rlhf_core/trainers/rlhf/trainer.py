@@ -301,8 +301,10 @@ class RLHFTrainer:
     # ------------------------------------------------------------------ evaluation and outputs
     def heldout_eval(self, model, with_kl: bool = True, with_seen: bool = True) -> dict[str, float]:
         """Greedy ``heldout_eval`` of ``model`` on this run's held-out prompts, with its reward (the proxy) and,
-        ``with_kl``, the exact KL to its reference; with ``eval.seen_prompts`` and ``with_seen``, its accuracy on
-        those training prompts too (``seen_accuracy``)."""
+        ``with_kl``, the exact KL to its reference; with ``with_seen``, its accuracy on the ``eval.seen_prompts``
+        training prompts (``seen_accuracy``) and of ``eval.sampled_answers`` sampled answers per held-out prompt
+        (``sampled_accuracy``, drawn from a fork of the RNG seeded with ``project.seed``: the same draws for the
+        SFT start and the actor, and training's random stream untouched)."""
         b = self.bundle
         out = heldout_eval(model, b.tokenizer, b.prompts.heldout, self.params.eval, b.device,
                            ref=b.ref if with_kl else None, reward=b.reward, synced_gpus=b.gen.synced_gpus,
@@ -311,6 +313,12 @@ class RLHFTrainer:
             seen = heldout_eval(model, b.tokenizer, b.prompts.seen, self.params.eval, b.device,
                                 synced_gpus=b.gen.synced_gpus)
             out["seen_accuracy"] = seen["accuracy"]
+        if with_seen and b.prompts.sampled is not None:
+            with torch.random.fork_rng(devices=[b.device] if b.device.type == "cuda" else []):
+                torch.manual_seed(self.params.project.seed)
+                sampled = heldout_eval(model, b.tokenizer, b.prompts.sampled, self.params.eval, b.device,
+                                       temperature=self.cfg.temperature, synced_gpus=b.gen.synced_gpus)
+            out["sampled_accuracy"] = sampled["accuracy"]
         return out
 
     def finish(self) -> dict:

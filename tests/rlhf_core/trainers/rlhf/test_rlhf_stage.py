@@ -301,6 +301,48 @@ def test_seen_prompts_judge_the_first_training_prompts_before_and_after_rl(ws):
         load_prompts(p, ws, tok)
 
 
+def test_sampled_answers_judge_k_samples_per_held_out_prompt_before_and_after_rl(ws):
+    """``eval.sampled_answers`` K: each held-out prompt K times, answered by sampling at ``rlhf.temperature`` with
+    the seed ``project.seed``: the figure an independent evaluation of the saved model with that seed gives; at a
+    temperature near 0 it is the greedy accuracy; training's random stream is untouched (the actor's weights are
+    those of a run without it); no answers: an error naming the key and the file."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.evaluation import heldout_eval
+    from rlhf_core.trainers.rlhf.inputs import load_prompts
+    from rlhf_core.trainers.rlhf.trainer import train_rlhf as run
+
+    common = ("rlhf.algorithm=grpo", "rlhf.grpo.group_size=8", "rlhf.lr=1e-3", "rlhf.num_steps=2",
+              "rlhf.micro_batch_size=32", "rlhf.resume=false", "project.seed=7")
+    p = params(*common, "eval.sampled_answers=3")
+    tok = load_tokenizer(ws / "models/sft")
+    prompts = load_prompts(p, ws, tok)
+    n = len(prompts.heldout.prompts)
+    assert prompts.sampled.prompts == [t for t in prompts.heldout.prompts for _ in range(3)]
+    assert prompts.sampled.tokens.lengths.tolist() == prompts.heldout.tokens.lengths.repeat_interleave(3).tolist()
+    metrics = run(p, ws)
+    actor = _weights(ws / "models/actor")
+    for model, key in (("sft", "sft_sampled_accuracy"), ("actor", "sampled_accuracy")):
+        m = AutoModelForCausalLM.from_pretrained(ws / "models" / model).eval()
+        torch.manual_seed(7)
+        want = heldout_eval(m, tok, prompts.sampled, p.eval, torch.device("cpu"), temperature=p.rlhf.temperature)
+        assert metrics[key] == pytest.approx(want["accuracy"]) and 0 < metrics[key] < 1  # samples, not all alike
+    assert json.loads((ws / "metrics/rlhf.json").read_text())["sampled_accuracy"] == metrics["sampled_accuracy"]
+    without = run(params(*common), ws)
+    assert "sampled_accuracy" not in without
+    assert all(torch.equal(actor[k], v) for k, v in _weights(ws / "models/actor").items())
+    cold = run(params(*common, "eval.sampled_answers=2", "rlhf.temperature=0.001"), ws)
+    assert cold["sampled_accuracy"] == pytest.approx(cold["accuracy"]) and n * 2 == len(
+        load_prompts(params(*common, "eval.sampled_answers=2"), ws, tok).sampled.prompts)
+    path = ws / "data/prepared/prompts.parquet"
+    pd.read_parquet(path).assign(answer=None).to_parquet(path)
+    reseal_prepared(ws, "prompts.parquet")
+    with pytest.raises(TrainingInputError, match=r"eval.sampled_answers: 3 .* data/prepared/prompts.parquet has no "
+                                                 r"answers"):
+        load_prompts(p, ws, tok)
+
+
 def test_bad_input_errors_name_the_key_or_path(ws):
     with pytest.raises(TrainingInputError, match=r"rlhf.reward_fns: unknown reward function\(s\) \['nope'\]"):
         _trainer(ws, "rlhf.reward_fns={nope: 1.0}")
