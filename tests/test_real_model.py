@@ -81,6 +81,7 @@ def test_stages_write_merged_full_models_and_the_gate_decides(project):
     assert rm["best_of_n_rm"] <= rm["best_of_n_oracle"] and 0.0 <= rm["best_of_n_rm_kl"] <= 1.0
     rlhf = json.loads((project / "metrics/rlhf.json").read_text())  # the profile's eval.seen_prompts
     assert 0.0 <= rlhf["sft_seen_accuracy"] <= 1.0 and 0.0 <= rlhf["seen_accuracy"] <= 1.0
+    assert 0.0 <= rlhf["sft_sampled_accuracy"] <= 1.0 and 0.0 <= rlhf["sampled_accuracy"] <= 1.0  # sampled_answers
 
 
 def test_registered_actor(project):
