@@ -101,12 +101,9 @@ def heldout_summary(before: dict, final: dict, ema_eval: dict | None, kl_bound: 
         "kl_within_bound": (final["kl_to_reference"] <= kl_bound) if final else None,
         "eos_share": final.get("eos_share"), "response_length": final.get("response_length"),
         "sft_eos_share": before.get("eos_share"), "ema_accuracy": ema_eval["accuracy"] if ema_eval else None,
-        **({"sft_step_accuracy": before.get("step_accuracy"), "step_accuracy": final.get("step_accuracy")}
-           if "step_accuracy" in final else {}),
-        **({"sft_seen_accuracy": before.get("seen_accuracy"), "seen_accuracy": final["seen_accuracy"]}
-           if "seen_accuracy" in final else {}),
-        **({"sft_sampled_accuracy": before.get("sampled_accuracy"), "sampled_accuracy": final["sampled_accuracy"]}
-           if "sampled_accuracy" in final else {}),
+        # the judgements a run makes only where configured: the SFT start's (sft_*) beside the actor's
+        **{key: value for k in ("step_accuracy", "seen_accuracy", "sampled_accuracy") if k in final
+           for key, value in ((f"sft_{k}", before.get(k)), (k, final[k]))},
     }
 
 

@@ -299,9 +299,9 @@ class RLHFTrainer:
         raise StopRequested(state.step, str(ckpt.latest_path()) if ckpt is not None else None)
 
     # ------------------------------------------------------------------ evaluation and outputs
-    def heldout_eval(self, model, with_kl: bool = True, with_seen: bool = True) -> dict[str, float]:
+    def heldout_eval(self, model, with_kl: bool = True, with_extras: bool = True) -> dict[str, float]:
         """Greedy ``heldout_eval`` of ``model`` on this run's held-out prompts, with its reward (the proxy) and,
-        ``with_kl``, the exact KL to its reference; with ``with_seen``, its accuracy on the ``eval.seen_prompts``
+        ``with_kl``, the exact KL to its reference; with ``with_extras``, its accuracy on the ``eval.seen_prompts``
         training prompts (``seen_accuracy``) and of ``eval.sampled_answers`` sampled answers per held-out prompt
         (``sampled_accuracy``, drawn from a fork of the RNG seeded with ``project.seed``: the same draws for the
         SFT start and the actor, and training's random stream untouched)."""
@@ -309,11 +309,11 @@ class RLHFTrainer:
         out = heldout_eval(model, b.tokenizer, b.prompts.heldout, self.params.eval, b.device,
                            ref=b.ref if with_kl else None, reward=b.reward, synced_gpus=b.gen.synced_gpus,
                            step_judge=step_judge(self.params))
-        if with_seen and b.prompts.seen is not None:
+        if with_extras and b.prompts.seen is not None:
             seen = heldout_eval(model, b.tokenizer, b.prompts.seen, self.params.eval, b.device,
                                 synced_gpus=b.gen.synced_gpus)
             out["seen_accuracy"] = seen["accuracy"]
-        if with_seen and b.prompts.sampled is not None:
+        if with_extras and b.prompts.sampled is not None:
             with torch.random.fork_rng(devices=[b.device] if b.device.type == "cuda" else []):
                 torch.manual_seed(self.params.project.seed)
                 sampled = heldout_eval(model, b.tokenizer, b.prompts.sampled, self.params.eval, b.device,
@@ -328,7 +328,7 @@ class RLHFTrainer:
         ema_model = b.ema.model(b.actor.module) if b.ema is not None else None
         ema_eval = None
         if self.do_eval and ema_model is not None and b.world == 1:
-            ema_eval = self.heldout_eval(ema_model, with_kl=True, with_seen=False)  # only its accuracy is kept
+            ema_eval = self.heldout_eval(ema_model, with_kl=True, with_extras=False)  # only its accuracy is kept
         before = self.state.extra.get("before", {})
         metrics = {"algorithm": self.cfg.algorithm, "resumed_from_step": self.resumed_from,
                    **heldout_summary(before, final, ema_eval, self.params.gates.max_kl, b.prompts.has_answers),

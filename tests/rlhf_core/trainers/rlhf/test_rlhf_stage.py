@@ -271,6 +271,29 @@ def test_max_steps_stops_early_and_a_rerun_continues(ws):
 
 
 # --------------------------------------------------------------------------- bad input
+def _drop_prompt_answers(root: Path) -> None:
+    """The RL prompts without their answers (resealed, so only the missing answers are wrong with them)."""
+    path = root / "data/prepared/prompts.parquet"
+    pd.read_parquet(path).assign(answer=None).to_parquet(path)
+    reseal_prepared(root, "prompts.parquet")
+
+
+def test_heldout_summary_pairs_each_configured_judgement_with_the_sft_starts():
+    """``sft_<key>`` beside ``<key>`` for the step, seen and sampled accuracies the actor was judged on, and only
+    those."""
+    from rlhf_core.trainers.rlhf.metrics import heldout_summary
+
+    before = {"accuracy": 0.5, "proxy_reward": 0.1, "seen_accuracy": 0.4, "sampled_accuracy": 0.3, "step_accuracy": 0.2}
+    final = {"accuracy": 0.6, "proxy_reward": 0.2, "kl_to_reference": 0.1, "seen_accuracy": 0.7,
+             "sampled_accuracy": 0.8}
+    out = heldout_summary(before, final, None, 5.0, True)
+    assert (out["sft_seen_accuracy"], out["seen_accuracy"]) == (0.4, 0.7)
+    assert (out["sft_sampled_accuracy"], out["sampled_accuracy"]) == (0.3, 0.8)
+    assert "step_accuracy" not in out and "sft_step_accuracy" not in out
+    out = heldout_summary(before, {**final, "step_accuracy": 0.9}, None, 5.0, True)
+    assert (out["sft_step_accuracy"], out["step_accuracy"]) == (0.2, 0.9)
+
+
 def test_seen_prompts_judge_the_first_training_prompts_before_and_after_rl(ws):
     """``eval.seen_prompts``: the SFT start's and the actor's greedy accuracy on the first N RL prompts, as an
     independent evaluation of the saved models on exactly those prompts measures it; off, no keys."""
@@ -293,9 +316,7 @@ def test_seen_prompts_judge_the_first_training_prompts_before_and_after_rl(ws):
     assert json.loads((ws / "metrics/rlhf.json").read_text())["seen_accuracy"] == metrics["seen_accuracy"]
     assert "seen_accuracy" not in run(params("rlhf.algorithm=grpo", "rlhf.grpo.group_size=8", "rlhf.num_steps=1",
                                              "rlhf.micro_batch_size=32", "rlhf.resume=false"), ws)
-    prompts = ws / "data/prepared/prompts.parquet"
-    pd.read_parquet(prompts).assign(answer=None).to_parquet(prompts)
-    reseal_prepared(ws, "prompts.parquet")
+    _drop_prompt_answers(ws)
     with pytest.raises(TrainingInputError, match=r"eval.seen_prompts: 3 .* data/prepared/prompts.parquet has no "
                                                  r"answers"):
         load_prompts(p, ws, tok)
@@ -335,9 +356,7 @@ def test_sampled_answers_judge_k_samples_per_held_out_prompt_before_and_after_rl
     cold = run(params(*common, "eval.sampled_answers=2", "rlhf.temperature=0.001"), ws)
     assert cold["sampled_accuracy"] == pytest.approx(cold["accuracy"]) and n * 2 == len(
         load_prompts(params(*common, "eval.sampled_answers=2"), ws, tok).sampled.prompts)
-    path = ws / "data/prepared/prompts.parquet"
-    pd.read_parquet(path).assign(answer=None).to_parquet(path)
-    reseal_prepared(ws, "prompts.parquet")
+    _drop_prompt_answers(ws)
     with pytest.raises(TrainingInputError, match=r"eval.sampled_answers: 3 .* data/prepared/prompts.parquet has no "
                                                  r"answers"):
         load_prompts(p, ws, tok)
