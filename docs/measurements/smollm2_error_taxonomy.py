@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
 import sys
 import time
@@ -29,20 +28,13 @@ import torch
 sys.path.insert(0, "/work/main")
 from transformers import AutoModelForCausalLM
 
-from rlhf_core.config import load_params
-from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.evaluation import answer_batches
 from rlhf_core.rewards.checkers import get_checker
-from smollm2_questions import as_held_out, held_out_questions
+from smollm2_questions import as_held_out, flatten, held_out_questions, judge_setup
 
 ws, out_path = Path(sys.argv[1]), Path(sys.argv[2])
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if device.type == "cpu":
-    torch.set_num_threads(1)
-params = load_params(ws / "params.yaml")
-tok = load_tokenizer(ws / "models/sft")
+device, params, tok, limit = judge_setup(ws)
 check = get_checker(params.eval.checker)
-limit = int(os.environ.get("HELDOUT_LIMIT", 10**9))
 
 
 def user_turn(prompt: str) -> str:
@@ -87,8 +79,8 @@ def error_kind(completion: str) -> str:
 
 questions = held_out_questions(ws, params, tok, limit)
 n_rl = len(questions["rl_heldout"][0])
-prompts = [p for q, _ in questions.values() for p in q]
-answers = [str(a) for _, q in questions.values() for a in q]
+prompts, answers = flatten(questions)
+answers = [str(a) for a in answers]
 data = as_held_out(tok, params, prompts, answers)
 qtags = [tags(p, a) for p, a in zip(prompts, answers)]
 

@@ -13,7 +13,6 @@ each set, for a rehearsal)
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,18 +22,11 @@ import torch
 sys.path.insert(0, "/work/main")
 from transformers import AutoModelForCausalLM
 
-from rlhf_core.config import load_params
-from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.evaluation import heldout_eval
-from smollm2_questions import as_held_out, held_out_questions
+from smollm2_questions import as_held_out, held_out_questions, judge_setup
 
 ws = Path(sys.argv[1])
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if device.type == "cpu":
-    torch.set_num_threads(1)
-params = load_params(ws / "params.yaml")
-tok = load_tokenizer(ws / "models/sft")
-limit = int(os.environ.get("HELDOUT_LIMIT", 10**9))
+device, params, tok, limit = judge_setup(ws)
 sets = {name: as_held_out(tok, params, *q) for name, q in held_out_questions(ws, params, tok, limit).items()}
 for folder in sys.argv[2:]:
     t0 = time.perf_counter()

@@ -17,7 +17,6 @@ sampled and greedy gains over the first, each with its standard error over the q
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,11 +26,9 @@ import torch
 sys.path.insert(0, "/work/main")
 from transformers import AutoModelForCausalLM
 
-from rlhf_core.config import load_params
-from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.evaluation import answer_batches
 from rlhf_core.rewards.checkers import get_checker
-from smollm2_questions import as_held_out, held_out_questions
+from smollm2_questions import as_held_out, flatten, held_out_questions, judge_setup
 
 if sys.argv[1] == "compare":
     rows = [json.loads(line) for line in open(sys.argv[2])]
@@ -49,17 +46,9 @@ if sys.argv[1] == "compare":
         print(json.dumps(out))
     sys.exit(0)
 ws, K, out_path = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if device.type == "cpu":
-    torch.set_num_threads(1)
-params = load_params(ws / "params.yaml")
-tok = load_tokenizer(ws / "models/sft")
+device, params, tok, limit = judge_setup(ws)
 check = get_checker(params.eval.checker)
-limit = int(os.environ.get("HELDOUT_LIMIT", 10**9))
-prompts, answers = [], []
-for p, a in held_out_questions(ws, params, tok, limit).values():
-    prompts += p
-    answers += a
+prompts, answers = flatten(held_out_questions(ws, params, tok, limit))
 Q = len(prompts)
 repeated = as_held_out(tok, params, [p for p in prompts for _ in range(K)], [a for a in answers for _ in range(K)])
 once = as_held_out(tok, params, prompts, answers)
