@@ -22,6 +22,13 @@ class PPOConfig(Section):
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
     critic_lr: float = Field(5e-4, gt=0.0, description="Critic learning rate (same warmup/schedule as `rlhf.lr`).")
     vf_coef: float = Field(1.0, ge=0.0, description="Weight of the value loss.")
+    critic_warmup_iterations: int = Field(
+        0, ge=0, description="The first N rollout iterations (of `num_steps`) train only the critic: the actor "
+                             "samples and its loss is computed for the metrics (`actor_frozen`: 1), but it takes "
+                             "no optimizer step, no ptx loss and no EMA update (OpenRLHF's "
+                             "`--freezing_actor_steps`). A critic initialised from the RM starts with a head "
+                             "fitted to scores, not returns; warm-up lets it fit the values before its "
+                             "advantages move the actor. Needs `advantage_estimator: gae` (a critic).")
     kl_in: Literal["reward", "loss"] = Field(
         "reward", description="`reward`: -kl_coef * KL per token in the reward (InstructGPT); "
                               "`loss`: kl_coef * KL added to the policy loss.")
@@ -190,6 +197,13 @@ class RLHFConfig(OptimConfig):
         if self.algorithm == "ppo" and self.ppo.supervision == "process" and self.ppo.advantage_estimator != "gae":
             raise ValueError("ppo.supervision: process places the step rewards on their tokens for GAE: it needs "
                              f"ppo.advantage_estimator: gae (got {self.ppo.advantage_estimator})")
+        if self.algorithm == "ppo" and self.ppo.critic_warmup_iterations:
+            if self.ppo.advantage_estimator != "gae":
+                raise ValueError("ppo.critic_warmup_iterations trains the critic alone: it needs "
+                                 f"ppo.advantage_estimator: gae (got {self.ppo.advantage_estimator})")
+            if self.ppo.critic_warmup_iterations >= self.num_steps:
+                raise ValueError(f"ppo.critic_warmup_iterations {self.ppo.critic_warmup_iterations} leaves no "
+                                 f"iteration of num_steps {self.num_steps} to train the actor")
         if self.algorithm == "ppo" and self.ppo.advantage_estimator == "rloo" and self.ppo.samples_per_prompt < 2:
             raise ValueError("ppo.advantage_estimator: rloo needs ppo.samples_per_prompt >= 2 "
                              f"(got {self.ppo.samples_per_prompt})")

@@ -14,6 +14,7 @@ from a checkpoint or starts fresh; ``outputs.py`` writes what the stage leaves. 
     advantages   Algorithm.advantages(buffer)            (GRPO / GAE / RLOO / REINFORCE++, ``algorithms.py``)
     update       for epoch in ppo_epochs: shuffled mini-batches x grad_accum micro-batches:
                      actor: clipped surrogate (+KL in loss, -entropy, +ptx) -> backward -> step (EMA update)
+                            (the first ``ppo.critic_warmup_iterations``: the loss only, for the metrics)
                      critic (PPO/GAE): clipped value loss                    -> backward -> step
     log          KL controller update, metrics all-reduced by name, rank 0 logs, checkpoint
 
@@ -23,6 +24,7 @@ gradients are all-reduced by DeepSpeed, every rank runs the same number of passe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -198,27 +200,30 @@ class RLHFTrainer:
         fill_logp = exp.old_logp is None
         if fill_logp:
             exp.old_logp = torch.zeros(exp.action_mask.shape)
+        frozen = self.actor_frozen(step)
         for _ in range(cfg.ppo_epochs):
             for minibatch in minibatch_plan(exp.group, b.n_mini, cfg.grad_accum, gen):
                 for rows in minibatch:
                     mb = (exp.select(rows) if len(rows) else zero_row(exp)).to(b.device)
                     if fill_logp:
                         mb.old_logp = None
-                    loss, stats = actor_loss(actor, mb, b.algorithm.loss, b.kl_ctl.value, b.shared_prefix,
-                                             cfg.pack_groups)
+                    with torch.no_grad() if frozen else contextlib.nullcontext():
+                        loss, stats = actor_loss(actor, mb, b.algorithm.loss, b.kl_ctl.value, b.shared_prefix,
+                                                 cfg.pack_groups)
                     logp = stats.pop("_logp")
                     if fill_logp and len(rows):
                         exp.old_logp[rows, :logp.shape[1]] = logp.float().cpu()
-                    if b.ptx is not None:
-                        ptx = self._ptx_loss()
-                        loss = loss + cfg.ptx_coef * ptx
-                        stats["ptx_loss"] = ptx.detach()
-                    self._check_finite(loss.detach(), "actor loss")
-                    actor.backward(loss)
-                    if actor.step():
-                        grad_norm = self._checked_grad_norm()
-                        if b.ema is not None:
-                            b.ema.update(actor.module)
+                    if not frozen:
+                        if b.ptx is not None:
+                            ptx = self._ptx_loss()
+                            loss = loss + cfg.ptx_coef * ptx
+                            stats["ptx_loss"] = ptx.detach()
+                        self._check_finite(loss.detach(), "actor loss")
+                        actor.backward(loss)
+                        if actor.step():
+                            grad_norm = self._checked_grad_norm()
+                            if b.ema is not None:
+                                b.ema.update(actor.module)
                     if critic is not None:
                         closs, cstats = critic_loss(critic, mb, cfg.ppo.value_clip_eps, cfg.ppo.vf_coef,
                                                     b.shared_prefix)
@@ -231,6 +236,10 @@ class RLHFTrainer:
                         sums[k] = sums.get(k, 0.0) + float(v) * n_tok
                     sums["tokens"] += n_tok
         return sums, grad_norm
+
+    def actor_frozen(self, step: int) -> bool:
+        """Whether iteration ``step`` (0-based) trains only the critic (``rlhf.ppo.critic_warmup_iterations``)."""
+        return self.bundle.critic is not None and step < self.cfg.ppo.critic_warmup_iterations
 
     def _ptx_loss(self) -> torch.Tensor:
         b = self.bundle
@@ -264,7 +273,7 @@ class RLHFTrainer:
         train_sums = {k.removeprefix("train."): v for k, v in reduced.items() if k.startswith("train.")}
         m = iteration_metrics({k: v for k, v in reduced.items() if not k.startswith("train.")}, train_sums,
                               b.world, b.prompts.has_answers, cfg.samples_per_prompt > 1)
-        m |= {"kl_coef": b.kl_ctl.value, "lr": b.actor.lr,
+        m |= {"kl_coef": b.kl_ctl.value, "lr": b.actor.lr, "actor_frozen": float(self.actor_frozen(state.step)),
               "grad_norm": grad_norm if grad_norm is not None else float("nan"),
               **({"critic_lr": b.critic.lr} if b.critic is not None else {})}
         b.kl_ctl.update(m["kl"], int(m["rows"]))

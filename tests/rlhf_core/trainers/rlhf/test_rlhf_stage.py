@@ -9,6 +9,7 @@ project's SFT trainer, a reward model trained a few steps (the PPO critic's init
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -114,6 +115,40 @@ def test_ppo_step_metrics_and_kl_control(ws):
     assert 0 <= m["eos_share"] <= 1 and m["response_length"] > 0
     tr.step()
     assert tr.kl_ctl.value != before  # adaptive: moved towards the target
+
+
+def _clone(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _moved(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(p, before[n]) for n, p in module.named_parameters())
+
+
+def test_critic_warmup_trains_only_the_critic_for_its_iterations(ws):
+    """``ppo.critic_warmup_iterations: 2``: iterations 1 and 2 move the critic and leave the actor, its EMA and
+    the ptx stream untouched (its loss still logged); iteration 3 moves the actor as a run without warm-up does."""
+    tr = _trainer(ws, "rlhf.num_steps=3", "rlhf.ppo.critic_warmup_iterations=2", "rlhf.ema_decay=0.5",
+                  "rlhf.ptx_coef=0.5", "rlhf.lr=1e-3")
+    actor, critic, ema = _clone(tr.actor.module), _clone(tr.critic.module), dict(tr.ema.state_dict())
+    for _ in range(2):
+        m = tr.step()
+        assert m["actor_frozen"] == 1.0 and math.isnan(m["grad_norm"]) and "ptx_loss" not in m, m
+        assert m["policy_loss"] == m["policy_loss"] and m["value_loss"] > 0
+        assert not _moved(tr.actor.module, actor)
+        assert all(torch.equal(v, ema[k]) for k, v in tr.ema.state_dict().items())
+    assert _moved(tr.critic.module, critic) and tr.state.extra.get("ptx_micro", 0) == 0
+    m = tr.step()
+    assert m["actor_frozen"] == 0.0 and m["grad_norm"] > 0 and "ptx_loss" in m
+    assert _moved(tr.actor.module, actor)
+
+
+def test_critic_warmup_needs_a_critic_and_leaves_iterations_for_the_actor():
+    with pytest.raises(ConfigError, match="critic_warmup_iterations trains the critic alone"):
+        params("rlhf.ppo.critic_warmup_iterations=1", "rlhf.ppo.advantage_estimator=reinforce_pp")
+    with pytest.raises(ConfigError, match="leaves no iteration of num_steps 3"):
+        params("rlhf.ppo.critic_warmup_iterations=3", "rlhf.num_steps=3")
+    assert params("rlhf.algorithm=grpo", "rlhf.ppo.critic_warmup_iterations=5", "rlhf.num_steps=3")  # PPO's key
 
 
 def test_grpo_drops_uniform_groups_but_scores_every_sample(ws):
