@@ -125,11 +125,13 @@ def _moved(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(p, before[n]) for n, p in module.named_parameters())
 
 
-def test_critic_warmup_trains_only_the_critic_for_its_iterations(ws):
+@pytest.mark.parametrize("options", [(), ("compute.lora.enabled=true", "compute.gradient_checkpointing=true")])
+def test_critic_warmup_trains_only_the_critic_for_its_iterations(ws, options):
     """``ppo.critic_warmup_iterations: 2``: iterations 1 and 2 move the critic and leave the actor, its EMA and
-    the ptx stream untouched (its loss still logged); iteration 3 moves the actor as a run without warm-up does."""
+    the ptx stream untouched (its loss still logged); iteration 3 moves the actor as a run without warm-up does.
+    Also with LoRA adapters and gradient checkpointing (the frozen actor's forward runs without gradients)."""
     tr = _trainer(ws, "rlhf.num_steps=3", "rlhf.ppo.critic_warmup_iterations=2", "rlhf.ema_decay=0.5",
-                  "rlhf.ptx_coef=0.5", "rlhf.lr=1e-3")
+                  "rlhf.ptx_coef=0.5", "rlhf.lr=1e-3", *options)
     actor, critic, ema = _clone(tr.actor.module), _clone(tr.critic.module), dict(tr.ema.state_dict())
     for _ in range(2):
         m = tr.step()
