@@ -24,7 +24,6 @@ gradients are all-reduced by DeepSpeed, every rank runs the same number of passe
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -207,7 +206,7 @@ class RLHFTrainer:
                     mb = (exp.select(rows) if len(rows) else zero_row(exp)).to(b.device)
                     if fill_logp:
                         mb.old_logp = None
-                    with torch.no_grad() if frozen else contextlib.nullcontext():
+                    with torch.set_grad_enabled(not frozen):
                         loss, stats = actor_loss(actor, mb, b.algorithm.loss, b.kl_ctl.value, b.shared_prefix,
                                                  cfg.pack_groups)
                     logp = stats.pop("_logp")
