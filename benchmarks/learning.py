@@ -12,7 +12,9 @@ base params. A NAME starting with ``trl`` runs TRL's ``GRPOTrainer`` on the same
 (``benchmarks.trl_grpo``; needs the ``bench`` extra). Results go to ``OUT/results.jsonl`` (one line per
 run, appended as runs finish, with the RM and SFT builds, the params digest and the overrides it ran with:
 :func:`provenance`; a re-run skips the pairs already there) and
-the summary table to stdout.
+the summary table to stdout. ``--judge K`` also judges every run's actor and the SFT start on every held-out
+question, greedy and ``K`` sampled answers each (``benchmarks.heldout``), and adds the gains over SFT paired
+over the questions (``heldout_*`` keys; the SFT start's verdicts in ``OUT/heldout-sft.jsonl``).
 
     python -m benchmarks.learning --workspace W --seeds 1,2,3,4 --out runs \\
         ours_grpo=rlhf.algorithm=grpo trl
@@ -28,7 +30,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from rlhf_core.ops import paths
 LINKED = ("data", "models/sft", "models/rm", "models/base", "params.yaml")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
                 "CROSS_SIZE", "GROUP_RANK")
+SFT_VERDICTS = "heldout-sft.jsonl"
 REPORTED = ("sft_accuracy", "accuracy", "accuracy_gain", "proxy_reward", "sft_proxy_reward", "kl_to_reference",
             "eos_share", "train_time_s", "wall_time_s", "sft_step_accuracy", "step_accuracy", "sft_seen_accuracy",
             "seen_accuracy")
@@ -103,12 +106,66 @@ def provenance(base: Path, extra: tuple[str, ...]) -> dict:
             "params_sha": sha256_file(params)[:12] if params.is_file() else None, "common_overrides": list(extra)}
 
 
-def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, extra: tuple[str, ...]) -> dict:
+def run_env(threads: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}  # each run is its own world of one
+    return env | {"RLHF_TRACKING": "off", "OMP_NUM_THREADS": str(threads)}
+
+
+def judge_command(workspace: Path, samples: int, rows: Path, model: Path) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.heldout", "judge", "--workspace", str(workspace), "--samples",
+            str(samples), "--out", str(rows), str(model)]
+
+
+def judge_sft(base: Path, out: Path, samples: int, threads: int) -> Path:
+    """The SFT start's verdicts on every held-out question (``OUT/heldout-sft.jsonl``), judged once per ``OUT``."""
+    rows = out / SFT_VERDICTS
+    if not rows.exists():
+        partial = rows.with_suffix(".partial")
+        partial.unlink(missing_ok=True)
+        with open(out / "heldout-sft.log", "w") as logf:
+            subprocess.run(judge_command(base, samples, partial, base / paths.SFT_MODEL), env=run_env(threads),
+                           stdout=logf, stderr=subprocess.STDOUT, check=True)
+        partial.rename(rows)
+    return rows
+
+
+def check_sft_verdicts(out: Path, samples: int) -> None:
+    """An ``OUT`` whose SFT start was judged with another number of sampled answers cannot pair with new runs."""
+    from benchmarks.heldout import read_verdicts
+
+    rows = out / SFT_VERDICTS
+    for verdicts in (read_verdicts(rows) if rows.exists() else {}).values():
+        if verdicts.sampled.shape[1] != samples:
+            raise ValueError(f"{rows}: the SFT start was judged with {verdicts.sampled.shape[1]} sampled answers per "
+                             f"question, not --judge {samples}; judge into another --out, or remove the file")
+
+
+def judged(run_dir: Path, samples: int, threads: int, sft_rows: Path) -> dict:
+    """``heldout_*``: the actor's greedy and sampled accuracy on every held-out question, and its gains over the
+    SFT start paired over the questions (``benchmarks.heldout.compare``)."""
+    from benchmarks.heldout import compare, read_verdicts
+
+    rows = run_dir / "heldout.jsonl"
+    rows.unlink(missing_ok=True)
+    with open(run_dir / "heldout.log", "w") as logf:
+        rc = subprocess.run(judge_command(run_dir, samples, rows, run_dir / paths.ACTOR_MODEL), env=run_env(threads),
+                            stdout=logf, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        return {"heldout_rc": rc}
+    (actor,), (sft,) = read_verdicts(rows).values(), read_verdicts(sft_rows).values()
+    summary = actor.summary()
+    out = {"heldout_questions": summary["questions"], "heldout_greedy": summary["greedy_accuracy"],
+           "heldout_sampled": summary.get("sampled_accuracy"), "heldout_sft_greedy": sft.summary()["greedy_accuracy"],
+           "heldout_sft_sampled": sft.summary().get("sampled_accuracy")}
+    return out | {f"heldout_{k}": v for k, v in compare(sft, actor).items()}
+
+
+def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, extra: tuple[str, ...],
+            judge_samples: int | None = None, sft_judged: Future | None = None) -> dict:
     run_dir = out / f"{variant.name}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     link_workspace(base, run_dir)
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}  # each run is its own world of one
-    env |= {"RLHF_TRACKING": "off", "OMP_NUM_THREADS": str(threads)}
+    env = run_env(threads)
     if variant.name.startswith("trl"):
         cmd = [sys.executable, "-m", "benchmarks.trl_grpo", "--seed", str(seed), "--threads", str(threads),
                *[a for o in (*extra, *variant.overrides) for a in ("-S", o)]]
@@ -124,6 +181,8 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
     if rc == 0 and metrics_file.exists():
         m = json.loads(metrics_file.read_text())
         row |= {k: m.get(k) for k in REPORTED}
+        if judge_samples is not None:
+            row |= judged(run_dir, judge_samples, threads, sft_judged.result())
     return row
 
 
@@ -153,7 +212,25 @@ def summarise(rows: list[dict]) -> list[dict]:
             if vals:
                 line[key] = sum(vals) / len(vals) * (1 if key in ("proxy_reward", "sft_proxy_reward",
                                                                    "kl_to_reference", "train_time_s") else 100)
-        out.append(line)
+        out.append(line | judged_summary(ok))
+    return out
+
+
+def judged_summary(rows: list[dict]) -> dict:
+    """Over the seeds judged by ``--judge``: the mean and the standard error over seeds (std / sqrt(n)) of the
+    greedy and sampled gains over SFT on every held-out question, in points; the mean flips."""
+    rows = [r for r in rows if r.get("heldout_greedy_gain") is not None]
+    if not rows:
+        return {}
+    out = {"judged": len(rows), "heldout_questions": rows[0]["heldout_questions"],
+           "heldout_sft_greedy": 100 * rows[0]["heldout_sft_greedy"]}
+    for key in ("heldout_greedy", "heldout_greedy_gain", "heldout_sampled_gain"):
+        vals = [100 * r[key] for r in rows if r.get(key) is not None]
+        if vals:
+            mean, std, _, _ = mean_spread(vals)
+            out[key], out[f"{key}_se"] = mean, std / math.sqrt(len(vals))
+    out["heldout_flips"] = (sum(r["heldout_right_to_wrong"] for r in rows) / len(rows),
+                            sum(r["heldout_wrong_to_right"] for r in rows) / len(rows))
     return out
 
 
@@ -175,6 +252,17 @@ def render(summary: list[dict]) -> str:
                      f"{f(s.get('accuracy_gain'))} | {proxy} | {f(s.get('kl_to_reference'), 2)} | "
                      f"{f(s.get('train_time_s'), 0)} | "
                      f"{f(s.get('sft_step_accuracy'))} -> {f(s.get('step_accuracy'))} |")
+    judged = [s for s in summary if s.get("judged")]
+    if judged:
+        lines += ["", "| variant | judged | every held-out question: greedy (SFT) | greedy gain ± SE over seeds | "
+                      "sampled gain ± SE over seeds | flips right->wrong / wrong->right |", "|" + "---|" * 6]
+        for s in judged:
+            sampled = "—" if s.get("heldout_sampled_gain") is None else \
+                f"{s['heldout_sampled_gain']:+.1f} ± {s['heldout_sampled_gain_se']:.1f}"
+            lines.append(f"| {s['variant']} | {s['judged']} x {s['heldout_questions']} | {s['heldout_greedy']:.1f} "
+                         f"({s['heldout_sft_greedy']:.1f}) | {s['heldout_greedy_gain']:+.1f} ± "
+                         f"{s['heldout_greedy_gain_se']:.1f} | {sampled} | {s['heldout_flips'][0]:.1f} / "
+                         f"{s['heldout_flips'][1]:.1f} |")
     return "\n".join(lines)
 
 
@@ -187,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("-S", "--set", dest="extra", action="append", default=[], help="override for every variant")
+    ap.add_argument("--judge", type=int, default=None, metavar="K",
+                    help="judge every actor and the SFT start on every held-out question, greedy and K sampled "
+                         "answers each, paired over the questions (benchmarks.heldout)")
     a = ap.parse_args(argv)
     variants = [Variant.parse(v) for v in a.variants]
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -196,9 +287,12 @@ def main(argv: list[str] | None = None) -> None:
     have = {(r["variant"], r["seed"]) for r in done if r["rc"] == 0}
     todo = [(v, s) for s in seeds for v in variants if (v.name, s) not in have]
     base, out, extra = a.workspace.resolve(), a.out.resolve(), tuple(a.extra)
+    if a.judge is not None:
+        check_sft_verdicts(out, a.judge)
     shared = provenance(base, extra)  # one workspace: hashed once, named on every row
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        futures = [pool.submit(run_one, base, out, v, s, a.threads, extra) for v, s in todo]
+        sft_judged = pool.submit(judge_sft, base, out, a.judge, a.threads) if a.judge is not None and todo else None
+        futures = [pool.submit(run_one, base, out, v, s, a.threads, extra, a.judge, sft_judged) for v, s in todo]
         for fut in futures:
             row = fut.result() | shared
             with open(results, "a") as fh:

@@ -125,3 +125,41 @@ def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
     assert lines[2]["variant"] == "trl_ptx" and lines[2]["rc"] != 0  # not like for like: refused
     refusal = "no equivalent of: rlhf.ptx_coef, rlhf.grpo.drop_uniform_groups"
     assert refusal in (out / "trl_ptx-s1" / "run.log").read_text()
+
+
+@pytest.mark.slow
+def test_judge_adds_the_paired_gains_over_sft_on_every_held_out_question(tmp_path, monkeypatch, capsys):
+    """``--judge K``: the SFT start judged once, every run's actor after its run, and the row's paired gain the
+    difference of the two files' accuracies (the mean of the differences is the difference of the means)."""
+    from benchmarks.heldout import compare, read_verdicts
+    from benchmarks.learning import main
+    from rlhf_core.stages.prepare import prepare
+    from rlhf_core.trainers.sft import train_sft
+
+    base = tmp_path / "base"
+    base.mkdir()
+    monkeypatch.chdir(base)
+    params = make_params(*TINY, "rlhf.algorithm=grpo", "rlhf.reward_fns={final_number: 1.0}", "rlhf.lr=1e-2")
+    prepare(params)
+    train_sft(params, base)
+    (base / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    out = tmp_path / "runs"
+    main(["--workspace", str(base), "--out", str(out), "--seeds", "1,2", "--judge", "2", "ours"])
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    sft = next(iter(read_verdicts(out / "heldout-sft.jsonl").values()))
+    for row in rows:
+        assert row["rc"] == 0, (out / f"ours-s{row['seed']}" / "run.log").read_text()[-3000:]
+        actor = next(iter(read_verdicts(out / f"ours-s{row['seed']}" / "heldout.jsonl").values()))
+        assert row["heldout_questions"] == sft.greedy.numel() > params.eval.max_prompts  # every question
+        assert row["heldout_greedy_gain"] == pytest.approx(row["heldout_greedy"] - row["heldout_sft_greedy"],
+                                                           abs=2e-4)
+        assert {f"heldout_{k}": v for k, v in compare(sft, actor).items()}.items() <= row.items()
+    table = capsys.readouterr().out
+    assert "| ours | 2 x " in table and "sampled gain ± SE over seeds" in table
+    with pytest.raises(ValueError, match=r"heldout-sft.jsonl: the SFT start was judged with 2 sampled answers per "
+                                         r"question, not --judge 3"):
+        main(["--workspace", str(base), "--out", str(out), "--seeds", "3", "--judge", "3", "ours"])
+    assert not (out / "ours-s3").exists()  # refused before any run
+    (out / "heldout-sft.jsonl").write_text("")  # a re-run skips finished pairs and judges nothing again
+    main(["--workspace", str(base), "--out", str(out), "--seeds", "1,2", "--judge", "2", "ours"])
+    assert (out / "heldout-sft.jsonl").read_text() == ""

@@ -1,0 +1,218 @@
+"""``python -m benchmarks.heldout``: every held-out question of a workspace judged for several models, greedy and
+``K`` sampled answers each, and each model's gain over the first, paired over the questions.
+
+The RL stage judges its first ``eval.max_prompts`` held-out prompts once, greedy: at 100 questions one model's
+accuracy has a standard error of 3-4 points, more than most changes worth measuring. This judge reads every
+held-out question the workspace has answers for (the RL split's ``eval_prompts`` and, where its rows carry an
+``answer``, the SFT split's ``eval_sft``: the same held-out operand pairs and phrasings, never trained on) and
+answers each greedily and ``K`` times sampled at ``rlhf.temperature`` (what RL optimises), under one torch seed
+for every model, so that models differ by their weights only.
+
+Gains are paired over the ``Q`` questions: with ``x_m(q)`` model ``m``'s score on question ``q`` (greedy: 0 or 1;
+sampled: the share of its ``K`` answers judged right)::
+
+    d(q)   = x_m(q) - x_0(q)
+    gain   = (1/Q) sum_q d(q)
+    SE     = std_q(d) / sqrt(Q)                 (sample std; each question is one cluster of K answers)
+    flips  = #{q: greedy_0(q) = 1, greedy_m(q) = 0},  #{q: greedy_0(q) = 0, greedy_m(q) = 1}
+
+Run (one thread on a CPU; the GPU when there is one)::
+
+    python -m benchmarks.heldout judge --workspace W --samples 4 --out q.jsonl W/models/sft RUN/models/actor ...
+    python -m benchmarks.heldout compare q.jsonl        # each model against the first
+
+``judge`` appends one row per model and question to ``OUT`` (``model``, ``question``, ``split``,
+``greedy_right``, ``sampled_right``) and prints one summary line per model. ``benchmarks.learning --judge K``
+runs it after every run, against the SFT start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+JUDGE_SEED = 20261129  # one sampling stream for every model: the paired comparison differs by weights only
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    """One model's verdicts on ``Q`` questions: ``greedy`` ``[Q]`` (0/1) and ``sampled`` ``[Q, K]`` (0/1)."""
+
+    greedy: torch.Tensor
+    sampled: torch.Tensor
+
+    def summary(self) -> dict:
+        q = self.greedy.numel()
+        per_question = self.sampled.mean(dim=1) if self.sampled.numel() else torch.zeros(0)
+        out = {"questions": q, "greedy_accuracy": round(float(self.greedy.mean()), 4),
+               "greedy_se": round(float(self.greedy.std() / q ** 0.5), 4) if q > 1 else None}
+        if per_question.numel():
+            out |= {"samples": self.sampled.shape[1], "sampled_accuracy": round(float(per_question.mean()), 4),
+                    "sampled_se": round(float(per_question.std() / q ** 0.5), 4) if q > 1 else None,
+                    f"pass_at_{self.sampled.shape[1]}": round(float(self.sampled.max(dim=1).values.mean()), 4)}
+        return out
+
+
+def paired_gain(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """``(gain, SE)`` of ``other`` over ``base``, per-question scores ``[Q]`` of the same questions in order."""
+    if base.shape != other.shape or base.dim() != 1:
+        raise ValueError(f"paired_gain needs two [Q] score vectors of the same questions, got {tuple(base.shape)} "
+                         f"and {tuple(other.shape)}")
+    d = other.double() - base.double()
+    q = d.numel()
+    return float(d.mean()), float(d.std() / q ** 0.5) if q > 1 else float("nan")
+
+
+def flips(base: torch.Tensor, other: torch.Tensor) -> tuple[int, int]:
+    """``(right -> wrong, wrong -> right)`` between two greedy verdict vectors ``[Q]``."""
+    b, o = base.bool(), other.bool()
+    return int((b & ~o).sum()), int((~b & o).sum())
+
+
+def compare(base: Verdicts, other: Verdicts) -> dict:
+    """``other``'s greedy and sampled gains over ``base`` (paired, with SE) and its greedy flips."""
+    g, g_se = paired_gain(base.greedy, other.greedy)
+    out = {"greedy_gain": round(g, 4), "greedy_gain_se": round(g_se, 4)}
+    if base.sampled.numel() and other.sampled.numel():
+        s, s_se = paired_gain(base.sampled.mean(dim=1), other.sampled.mean(dim=1))
+        out |= {"sampled_gain": round(s, 4), "sampled_gain_se": round(s_se, 4)}
+    out["right_to_wrong"], out["wrong_to_right"] = flips(base.greedy, other.greedy)
+    return out
+
+
+def held_out_questions(root: Path, params, tokenizer, limit: int | None = None):
+    """``(HeldOut, splits)``: the RL split's held-out prompts, then the SFT split's held-out rows where they carry
+    an answer, the first ``limit`` of each, tokenised as the RL stage tokenises its prompts; ``splits`` names
+    each question's split. A workspace whose prompts have no answers has nothing to judge: an error."""
+    from rlhf_core.data.collate import encode_prompts
+    from rlhf_core.evaluation import HeldOut
+    from rlhf_core.ops import paths
+    from rlhf_core.trainers.common import read_split
+
+    prompts, answers, splits = [], [], []
+    sources = [("rl_heldout", "prompts")]
+    if (root / paths.prepared_file("sft", eval_split=True)).exists():
+        sources.append(("sft_heldout", "sft"))
+    for name, phase in sources:
+        table = read_split(root, phase, eval_split=True)
+        if "answer" not in table or all(a is None for a in table["answer"]):
+            if phase == "prompts":
+                raise ValueError(f"{root / paths.prepared_file(phase, eval_split=True)}: no answers, so no checker "
+                                 "can judge these held-out questions")
+            continue
+        rows = [(p, a) for p, a in zip(table["prompt"], table["answer"], strict=True) if a is not None][:limit]
+        prompts += [p for p, _ in rows]
+        answers += [a for _, a in rows]
+        splits += [name] * len(rows)
+    return HeldOut(prompts, answers, encode_prompts(tokenizer, prompts, params.data.max_prompt_len)), splits
+
+
+def judge(model, tokenizer, params, questions, samples: int) -> Verdicts:
+    """Greedy and ``samples`` sampled answers (at ``rlhf.temperature``, from :data:`JUDGE_SEED`) to every
+    question, judged by ``eval.checker``."""
+    from rlhf_core.evaluation import HeldOut, answer_batches
+    from rlhf_core.rewards import get_checker
+
+    check = get_checker(params.eval.checker)
+    q = len(questions.prompts)
+
+    def verdicts(data, temperature: float) -> torch.Tensor:
+        right = torch.zeros(len(data.prompts))
+        for rows, _, roll in answer_batches(model, tokenizer, data, params.eval.batch_size,
+                                            params.eval.max_new_tokens, temperature):
+            texts = zip(roll.texts, rows.tolist(), strict=True)
+            right[rows] = torch.tensor([float(check(t, data.answers[j])) for t, j in texts])
+        return right
+
+    repeat = torch.arange(q).repeat_interleave(samples)
+    repeated = HeldOut([questions.prompts[i] for i in repeat.tolist()], [questions.answers[i] for i in repeat.tolist()],
+                       questions.tokens.select(repeat))
+    torch.manual_seed(JUDGE_SEED)
+    with torch.inference_mode():
+        sampled = verdicts(repeated, params.rlhf.temperature).view(q, samples) if samples else torch.zeros(q, 0)
+        greedy = verdicts(questions, 0.0)
+    return Verdicts(greedy, sampled)
+
+
+def read_verdicts(path: Path) -> dict[str, Verdicts]:
+    """The per-question rows of ``path`` as one :class:`Verdicts` per model (in first-seen order); a model judged
+    twice keeps its last rows."""
+    by_model: dict[str, dict[int, dict]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+            by_model.setdefault(row["model"], {})[int(row["question"])] = row
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a judge row ({e})") from None
+    out = {}
+    for model, rows in by_model.items():
+        order = sorted(rows)
+        out[model] = Verdicts(torch.tensor([float(rows[q]["greedy_right"]) for q in order]),
+                              torch.tensor([[float(v) for v in rows[q]["sampled_right"]] for q in order]))
+    return out
+
+
+def judge_models(root: Path, samples: int, out: Path, models: list[str], limit: int | None = None) -> list[dict]:
+    """Judge every model folder in ``models`` on ``root``'s held-out questions; append the per-question rows to
+    ``out`` and return one summary per model."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.config import load_params
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.ops import paths
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    params = load_params(root / "params.yaml")
+    tokenizer = load_tokenizer(root / paths.SFT_MODEL, params.model.trust_remote_code)
+    questions, splits = held_out_questions(root, params, tokenizer, limit)
+    summaries = []
+    for folder in models:
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=params.model.trust_remote_code)
+        v = judge(model.to(device).eval(), tokenizer, params, questions, samples)
+        with out.open("a") as fh:
+            for q, split in enumerate(splits):
+                fh.write(json.dumps({"model": str(folder), "question": q, "split": split,
+                                     "greedy_right": bool(v.greedy[q]),
+                                     "sampled_right": [int(x) for x in v.sampled[q].tolist()]}) + "\n")
+        summaries.append({"model": str(folder)} | v.summary() | {"temperature": params.rlhf.temperature,
+                                                                  "judge_s": round(time.perf_counter() - t0, 1)})
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="verb", required=True)
+    j = sub.add_parser("judge", help="judge model folders; the first is the baseline of `compare`")
+    j.add_argument("--workspace", type=Path, required=True)
+    j.add_argument("--samples", type=int, default=4, help="sampled answers per question (0: greedy only)")
+    j.add_argument("--out", type=Path, required=True, help="per-question rows, appended")
+    j.add_argument("--limit", type=int, default=None, help="the first N questions of each split (a rehearsal)")
+    j.add_argument("models", nargs="+")
+    c = sub.add_parser("compare", help="each model's paired gains over the first model in the file")
+    c.add_argument("rows", type=Path)
+    a = ap.parse_args(argv)
+    if a.verb == "judge":
+        if torch.cuda.is_available() is False and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
+        for line in judge_models(a.workspace.resolve(), a.samples, a.out, a.models, a.limit):
+            print(json.dumps(line), flush=True)
+        return
+    verdicts = read_verdicts(a.rows)
+    names = list(verdicts)
+    if not names:
+        sys.exit(f"{a.rows}: no rows")
+    for name in names[1:]:
+        print(json.dumps({"model": name, "baseline": names[0], "questions": verdicts[name].greedy.numel()}
+                         | compare(verdicts[names[0]], verdicts[name])), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The every-question judge (``benchmarks.heldout``): paired gains and flips by hand, its rows read back, and on a
+tiny workspace the same greedy verdicts as the RL stage's own evaluator, one sampling stream for every model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from benchmarks.heldout import (
+    Verdicts,
+    compare,
+    flips,
+    held_out_questions,
+    judge_models,
+    main,
+    paired_gain,
+    read_verdicts,
+)
+from tests.tiny import TINY_DEMO
+from tests.tiny import tiny_params as make_params
+
+
+def test_paired_gain_and_flips_by_hand():
+    base, other = torch.tensor([0.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, 1.0, 1.0, 0.0])
+    gain, se = paired_gain(base, other)  # d = [1, 1, 0, -1]: mean 0.25, sample var 2.75 / 3
+    assert gain == pytest.approx(0.25) and se == pytest.approx(math.sqrt(2.75 / 3) / 2)
+    assert flips(base, other) == (1, 2)
+    assert paired_gain(base, base) == (0.0, 0.0) and flips(base, base) == (0, 0)
+    with pytest.raises(ValueError, match=r"same questions, got \(4,\) and \(3,\)"):
+        paired_gain(base, other[:3])
+
+
+def test_compare_pairs_the_sampled_share_per_question():
+    sft = Verdicts(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]))
+    rl = Verdicts(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]]))
+    out = compare(sft, rl)  # sampled shares [0.5, 0, 1] -> [1, 0.5, 0.5]: d = [0.5, 0.5, -0.5]
+    assert out["sampled_gain"] == pytest.approx(1 / 6, abs=1e-4)
+    assert out["sampled_gain_se"] == pytest.approx(math.sqrt(1 / 3) / math.sqrt(3), abs=1e-4)
+    assert out["greedy_gain"] == 0.0 and (out["right_to_wrong"], out["wrong_to_right"]) == (1, 1)
+    assert sft.summary() == {"questions": 3, "greedy_accuracy": 0.6667, "greedy_se": 0.3333, "samples": 2,
+                             "sampled_accuracy": 0.5, "sampled_se": 0.2887, "pass_at_2": 0.6667}
+
+
+def test_read_verdicts_names_a_bad_line_and_keeps_a_rejudged_models_last_rows(tmp_path):
+    rows = tmp_path / "q.jsonl"
+    lines = [{"model": m, "question": q, "greedy_right": g, "sampled_right": [int(g)]}
+             for m, q, g in (("sft", 0, True), ("sft", 1, False), ("rl", 0, False), ("rl", 1, False), ("rl", 1, True))]
+    rows.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    got = read_verdicts(rows)
+    assert list(got) == ["sft", "rl"] and got["rl"].greedy.tolist() == [0.0, 1.0]
+    rows.write_text(rows.read_text() + '{"model": "rl", "greedy_right": true}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:6: not a judge row"):
+        read_verdicts(rows)
+
+
+@pytest.mark.slow
+def test_judge_agrees_with_the_stage_evaluator_and_samples_one_stream_for_every_model(tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.evaluation import heldout_eval
+    from rlhf_core.stages.prepare import prepare
+    from rlhf_core.trainers.rlhf.inputs import load_prompts
+    from rlhf_core.trainers.sft import train_sft
+
+    monkeypatch.chdir(tmp_path)
+    params = make_params(TINY_DEMO, "sft.epochs=6")
+    prepare(params)
+    train_sft(params, tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    tok = load_tokenizer(tmp_path / "models/sft")
+    questions, splits = held_out_questions(tmp_path, params, tok)
+    heldout = load_prompts(params, tmp_path, tok).heldout
+    n_rl = len(heldout.prompts)
+    assert splits.count("rl_heldout") == n_rl and splits.count("sft_heldout") > 0
+    assert questions.prompts[:n_rl] == heldout.prompts and len(questions.answers) == len(splits)
+
+    sft = str(tmp_path / "models/sft")
+    summaries = judge_models(tmp_path, 3, tmp_path / "q.jsonl", [sft, sft])
+    assert summaries[0]["questions"] == len(splits) and summaries[0]["samples"] == 3
+    verdicts = read_verdicts(tmp_path / "q.jsonl")[sft]  # the same folder twice: the second rows replace the first
+    stage = heldout_eval(AutoModelForCausalLM.from_pretrained(sft).eval(), tok, heldout, params.eval,
+                         torch.device("cpu"))
+    assert float(verdicts.greedy[:n_rl].mean()) == pytest.approx(stage["accuracy"])
+    assert summaries[0] | {"judge_s": 0} == summaries[1] | {"judge_s": 0}  # one seed: the same weights judge alike
+    assert 0.0 < summaries[0]["sampled_accuracy"] < 1.0  # sampled answers, not the greedy ones again
+
+    rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    other = [r | {"model": "other", "greedy_right": not r["greedy_right"]} for r in rows[:len(splits)]]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:len(splits)] + other))
+    main(["compare", str(tmp_path / "q.jsonl")])
+    line = json.loads(capsys.readouterr().out)
+    right = int(verdicts.greedy.sum())
+    assert line["model"] == "other" and line["baseline"] == sft and line["sampled_gain"] == 0.0
+    assert (line["right_to_wrong"], line["wrong_to_right"]) == (right, len(splits) - right)
+    assert line["greedy_gain"] == pytest.approx(1 - 2 * float(verdicts.greedy.mean()), abs=1e-4)
