@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("rows", type=Path)
     a = ap.parse_args(argv)
     if a.verb == "judge":
-        if torch.cuda.is_available() is False and "OMP_NUM_THREADS" not in os.environ:
+        if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
         for line in judge_models(a.workspace.resolve(), a.samples, a.out, a.models, a.limit):
             print(json.dumps(line), flush=True)
