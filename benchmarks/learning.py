@@ -140,11 +140,17 @@ def check_sft_verdicts(out: Path, samples: int) -> None:
                              f"question, not --judge {samples}; judge into another --out, or remove the file")
 
 
-def judged(run_dir: Path, samples: int, threads: int, sft_rows: Path) -> dict:
+def judged(run_dir: Path, samples: int, threads: int, sft_judged: Future) -> dict:
     """``heldout_*``: the actor's greedy and sampled accuracy on every held-out question, and its gains over the
-    SFT start paired over the questions (``benchmarks.heldout.compare``)."""
+    SFT start paired over the questions (``benchmarks.heldout.compare``); ``heldout_error`` when the SFT start's
+    judge failed (the run's own row is kept)."""
     from benchmarks.heldout import compare, read_verdicts
 
+    try:
+        sft_rows = sft_judged.result()
+    except subprocess.CalledProcessError as e:
+        return {"heldout_error": f"the SFT start's judge failed (rc {e.returncode}): see "
+                                 f"{run_dir.parent / 'heldout-sft.log'}"}
     rows = run_dir / "heldout.jsonl"
     rows.unlink(missing_ok=True)
     with open(run_dir / "heldout.log", "w") as logf:
@@ -182,7 +188,7 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
         m = json.loads(metrics_file.read_text())
         row |= {k: m.get(k) for k in REPORTED}
         if judge_samples is not None:
-            row |= judged(run_dir, judge_samples, threads, sft_judged.result())
+            row |= judged(run_dir, judge_samples, threads, sft_judged)
     return row
 
 
@@ -228,10 +234,18 @@ def judged_summary(rows: list[dict]) -> dict:
         vals = [100 * r[key] for r in rows if r.get(key) is not None]
         if vals:
             mean, std, _, _ = mean_spread(vals)
-            out[key], out[f"{key}_se"] = mean, std / math.sqrt(len(vals))
+            out[key], out[f"{key}_se"] = mean, std / math.sqrt(len(vals)) if len(vals) > 1 else None
     out["heldout_flips"] = (sum(r["heldout_right_to_wrong"] for r in rows) / len(rows),
                             sum(r["heldout_wrong_to_right"] for r in rows) / len(rows))
     return out
+
+
+def _gain(line: dict, key: str) -> str:
+    """``+1.0 ± 0.5`` (mean ± SE over seeds), ``± — (1 seed)`` where one seed gives no spread, ``—`` without."""
+    if line.get(key) is None:
+        return "—"
+    se = line.get(f"{key}_se")
+    return f"{line[key]:+.1f} ± {'— (1 seed)' if se is None else f'{se:.1f}'}"
 
 
 def render(summary: list[dict]) -> str:
@@ -257,11 +271,9 @@ def render(summary: list[dict]) -> str:
         lines += ["", "| variant | judged | every held-out question: greedy (SFT) | greedy gain ± SE over seeds | "
                       "sampled gain ± SE over seeds | flips right->wrong / wrong->right |", "|" + "---|" * 6]
         for s in judged:
-            sampled = "—" if s.get("heldout_sampled_gain") is None else \
-                f"{s['heldout_sampled_gain']:+.1f} ± {s['heldout_sampled_gain_se']:.1f}"
+            greedy, sampled = (_gain(s, key) for key in ("heldout_greedy_gain", "heldout_sampled_gain"))
             lines.append(f"| {s['variant']} | {s['judged']} x {s['heldout_questions']} | {s['heldout_greedy']:.1f} "
-                         f"({s['heldout_sft_greedy']:.1f}) | {s['heldout_greedy_gain']:+.1f} ± "
-                         f"{s['heldout_greedy_gain_se']:.1f} | {sampled} | {s['heldout_flips'][0]:.1f} / "
+                         f"({s['heldout_sft_greedy']:.1f}) | {greedy} | {sampled} | {s['heldout_flips'][0]:.1f} / "
                          f"{s['heldout_flips'][1]:.1f} |")
     return "\n".join(lines)
 

@@ -4,12 +4,14 @@ GRPOTrainer from one base workspace, judged by one held-out evaluator; the summa
 from __future__ import annotations
 
 import json
+import subprocess
+from concurrent.futures import Future
 
 import pytest
 import torch
 import yaml
 
-from benchmarks.learning import Variant, mean_spread, provenance, render, rm_build, summarise
+from benchmarks.learning import Variant, judged, judged_summary, mean_spread, provenance, render, rm_build, summarise
 from tests.conftest import make_params
 
 TINY = ["data.demo.n_rows=600", "data.demo.max_operand=4", "data.max_prompt_len=16", "data.max_response_len=4",
@@ -163,3 +165,22 @@ def test_judge_adds_the_paired_gains_over_sft_on_every_held_out_question(tmp_pat
     (out / "heldout-sft.jsonl").write_text("")  # a re-run skips finished pairs and judges nothing again
     main(["--workspace", str(base), "--out", str(out), "--seeds", "1,2", "--judge", "2", "ours"])
     assert (out / "heldout-sft.jsonl").read_text() == ""
+
+
+def test_judged_summary_by_hand_and_a_failed_sft_judge_keeps_the_row(tmp_path):
+    rows = [{"variant": "a", "seed": s, "rc": 0, "accuracy": 0.7, "heldout_questions": 300, "heldout_greedy": g,
+             "heldout_sft_greedy": 0.75, "heldout_greedy_gain": g - 0.75, "heldout_sampled_gain": sg,
+             "heldout_right_to_wrong": rw, "heldout_wrong_to_right": wr}
+            for s, g, sg, rw, wr in ((1, 0.72, 0.02, 10, 1), (2, 0.78, 0.04, 2, 11))]
+    two = judged_summary(rows)  # greedy gains -3 and +3 points: mean 0, std sqrt(18), SE 3
+    assert two["heldout_greedy_gain"] == pytest.approx(0.0) and two["heldout_greedy_gain_se"] == pytest.approx(3.0)
+    assert two["heldout_sampled_gain"] == pytest.approx(3.0) and two["heldout_flips"] == (6.0, 6.0)
+    one = judged_summary(rows[:1])
+    assert one["heldout_greedy_gain"] == pytest.approx(-3.0) and one["heldout_greedy_gain_se"] is None
+    table = render(summarise(rows[:1]))
+    assert "| a | 1 x 300 | 72.0 (75.0) | -3.0 ± — (1 seed) | +2.0 ± — (1 seed) | 10.0 / 1.0 |" in table
+    failed = Future()
+    failed.set_exception(subprocess.CalledProcessError(3, "judge"))
+    run_dir = tmp_path / "ours-s1"
+    assert judged(run_dir, 4, 1, failed) == {
+        "heldout_error": f"the SFT start's judge failed (rc 3): see {tmp_path / 'heldout-sft.log'}"}
