@@ -21,8 +21,9 @@ Run (one thread on a CPU; the GPU when there is one)::
     python -m benchmarks.heldout judge --workspace W --samples 4 --out q.jsonl W/models/sft RUN/models/actor ...
     python -m benchmarks.heldout compare q.jsonl        # each model against the first
 
-``judge`` appends one row per model and question to ``OUT`` (``model``, ``question``, ``split``,
-``greedy_right``, ``sampled_right``) and prints one summary line per model. ``benchmarks.learning --judge K``
+``judge`` appends one row per model and question to ``OUT`` (``model``, ``question`` (its index here); ``split``,
+``position`` (in the split) and ``id`` (the prepared row's), which ``compare`` pairs on; ``greedy_right``,
+``sampled_right``) and prints one summary line per model. ``benchmarks.learning --judge K``
 runs it after every run, against the SFT start.
 """
 
@@ -43,12 +44,16 @@ JUDGE_SEED = 20261129  # one sampling stream for every model: the paired compari
 
 @dataclass(frozen=True)
 class Verdicts:
-    """One model's verdicts on ``Q`` questions: ``greedy`` ``[Q]`` (0/1) and ``sampled`` ``[Q, K]`` (0/1)."""
+    """One model's verdicts on ``Q`` questions: ``greedy`` ``[Q]`` (0/1), ``sampled`` ``[Q, K]`` (0/1), and which
+    question each row is (``keys``: ``(split, position in the split, id)``, the order of the rows)."""
 
     greedy: torch.Tensor
     sampled: torch.Tensor
+    keys: tuple = ()
 
     def summary(self) -> dict:
+        """Accuracies with their standard errors over the questions (a question's K sampled answers are one
+        cluster: SE = std_q(share right) / sqrt(Q)), and pass@K; ``None`` where one question gives no spread."""
         q = self.greedy.numel()
         per_question = self.sampled.mean(dim=1) if self.sampled.numel() else torch.zeros(0)
         out = {"questions": q, "greedy_accuracy": round(float(self.greedy.mean()), 4),
@@ -60,43 +65,62 @@ class Verdicts:
         return out
 
 
-def paired_gain(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
-    """``(gain, SE)`` of ``other`` over ``base``, per-question scores ``[Q]`` of the same questions in order."""
+def _same_questions(base: torch.Tensor, other: torch.Tensor) -> None:
     if base.shape != other.shape or base.dim() != 1:
-        raise ValueError(f"paired_gain needs two [Q] score vectors of the same questions, got {tuple(base.shape)} "
+        raise ValueError(f"a paired comparison needs two [Q] vectors of the same questions, got {tuple(base.shape)} "
                          f"and {tuple(other.shape)}")
+
+
+def paired_gain(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float | None]:
+    """``(gain, SE)`` of ``other`` over ``base``, per-question scores ``[Q]`` of the same questions in order:
+    ``d = other - base``, gain = mean(d), SE = std(d) / sqrt(Q) (sample std; ``None`` for one question)."""
+    _same_questions(base, other)
     d = other.double() - base.double()
     q = d.numel()
-    return float(d.mean()), float(d.std() / q ** 0.5) if q > 1 else float("nan")
+    return float(d.mean()), float(d.std() / q ** 0.5) if q > 1 else None
 
 
 def flips(base: torch.Tensor, other: torch.Tensor) -> tuple[int, int]:
     """``(right -> wrong, wrong -> right)`` between two greedy verdict vectors ``[Q]``."""
+    _same_questions(base, other)
     b, o = base.bool(), other.bool()
     return int((b & ~o).sum()), int((~b & o).sum())
 
 
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 def compare(base: Verdicts, other: Verdicts) -> dict:
-    """``other``'s greedy and sampled gains over ``base`` (paired, with SE) and its greedy flips."""
+    """``other``'s greedy and sampled gains over ``base`` (paired, with SE) and its greedy flips. Where both name
+    their questions (``keys``), ``other`` is paired question by question and must hold the same ones."""
+    if base.keys and other.keys:
+        if set(base.keys) != set(other.keys) or len(other.keys) != len(base.keys):
+            raise ValueError(f"the two models were judged on other questions ({len(base.keys)} and "
+                             f"{len(other.keys)}, {len(set(base.keys) ^ set(other.keys))} not in both): judge both "
+                             "on one workspace")
+        order = torch.tensor([{k: i for i, k in enumerate(other.keys)}[k] for k in base.keys])
+        other = Verdicts(other.greedy[order], other.sampled[order], base.keys)
     g, g_se = paired_gain(base.greedy, other.greedy)
-    out = {"greedy_gain": round(g, 4), "greedy_gain_se": round(g_se, 4)}
+    out = {"greedy_gain": round(g, 4), "greedy_gain_se": _round(g_se)}
     if base.sampled.numel() and other.sampled.numel():
         s, s_se = paired_gain(base.sampled.mean(dim=1), other.sampled.mean(dim=1))
-        out |= {"sampled_gain": round(s, 4), "sampled_gain_se": round(s_se, 4)}
+        out |= {"sampled_gain": round(s, 4), "sampled_gain_se": _round(s_se)}
     out["right_to_wrong"], out["wrong_to_right"] = flips(base.greedy, other.greedy)
     return out
 
 
 def held_out_questions(root: Path, params, tokenizer, limit: int | None = None):
-    """``(HeldOut, splits)``: the RL split's held-out prompts, then the SFT split's held-out rows where they carry
-    an answer, the first ``limit`` of each, tokenised as the RL stage tokenises its prompts; ``splits`` names
-    each question's split. A workspace whose prompts have no answers has nothing to judge: an error."""
+    """``(HeldOut, keys)``: the RL split's held-out prompts, then the SFT split's held-out rows where they carry
+    an answer, the first ``limit`` of each, tokenised as the RL stage tokenises its prompts; ``keys`` names each
+    question ``(split, position in the split, row id)``. A workspace whose prompts have no answers has nothing to
+    judge: an error."""
     from rlhf_core.data.collate import encode_prompts
     from rlhf_core.evaluation import HeldOut
     from rlhf_core.ops import paths
     from rlhf_core.trainers.common import read_split
 
-    prompts, answers, splits = [], [], []
+    prompts, answers, keys = [], [], []
     sources = [("rl_heldout", "prompts")]
     if (root / paths.prepared_file("sft", eval_split=True)).exists():
         sources.append(("sft_heldout", "sft"))
@@ -107,11 +131,12 @@ def held_out_questions(root: Path, params, tokenizer, limit: int | None = None):
                 raise ValueError(f"{root / paths.prepared_file(phase, eval_split=True)}: no answers, so no checker "
                                  "can judge these held-out questions")
             continue
-        rows = [(p, a) for p, a in zip(table["prompt"], table["answer"], strict=True) if a is not None][:limit]
-        prompts += [p for p, _ in rows]
-        answers += [a for _, a in rows]
-        splits += [name] * len(rows)
-    return HeldOut(prompts, answers, encode_prompts(tokenizer, prompts, params.data.max_prompt_len)), splits
+        rows = [(i, p, a) for i, (p, a) in enumerate(zip(table["prompt"], table["answer"], strict=True))
+                if a is not None][:limit]
+        prompts += [p for _, p, _ in rows]
+        answers += [a for _, _, a in rows]
+        keys += [(name, i, str(table["id"][i])) for i, _, _ in rows]
+    return HeldOut(prompts, answers, encode_prompts(tokenizer, prompts, params.data.max_prompt_len)), keys
 
 
 def judge(model, tokenizer, params, questions, samples: int) -> Verdicts:
@@ -142,21 +167,28 @@ def judge(model, tokenizer, params, questions, samples: int) -> Verdicts:
 
 
 def read_verdicts(path: Path) -> dict[str, Verdicts]:
-    """The per-question rows of ``path`` as one :class:`Verdicts` per model (in first-seen order); a model judged
-    twice keeps its last rows."""
-    by_model: dict[str, dict[int, dict]] = {}
+    """The per-question rows of ``path`` as one :class:`Verdicts` per model (in first-seen order), its questions
+    in the order first seen; a model judged twice keeps its last verdict per question. A row that is not a judge
+    row, or whose K differs from its model's first row's, is an error naming the line."""
+    by_model: dict[str, dict[tuple, tuple[float, list[float]]]] = {}
+    samples: dict[str, int] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         try:
             row = json.loads(line)
-            by_model.setdefault(row["model"], {})[int(row["question"])] = row
+            key = (str(row["split"]), int(row["position"]), str(row["id"]))
+            greedy, sampled = row["greedy_right"], [float(v) for v in row["sampled_right"]]
+            if not isinstance(greedy, bool) or any(v not in (0.0, 1.0) for v in sampled):
+                raise TypeError("greedy_right must be true/false and sampled_right a list of 0/1")
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: not a judge row ({e})") from None
-    out = {}
-    for model, rows in by_model.items():
-        order = sorted(rows)
-        out[model] = Verdicts(torch.tensor([float(rows[q]["greedy_right"]) for q in order]),
-                              torch.tensor([[float(v) for v in rows[q]["sampled_right"]] for q in order]))
-    return out
+            raise ValueError(f"{path}:{n}: not a judge row ({type(e).__name__}: {e})") from None
+        if samples.setdefault(row["model"], len(sampled)) != len(sampled):
+            raise ValueError(f"{path}:{n}: {len(sampled)} sampled answers, but {row['model']}'s first row has "
+                             f"{samples[row['model']]}")
+        by_model.setdefault(row["model"], {})[key] = (float(greedy), sampled)
+    return {model: Verdicts(torch.tensor([g for g, _ in rows.values()]),
+                            torch.tensor([s for _, s in rows.values()]).view(len(rows), samples[model]),
+                            tuple(rows))
+            for model, rows in by_model.items()}
 
 
 def judge_models(root: Path, samples: int, out: Path, models: list[str], limit: int | None = None) -> list[dict]:
@@ -171,16 +203,16 @@ def judge_models(root: Path, samples: int, out: Path, models: list[str], limit: 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     params = load_params(root / "params.yaml")
     tokenizer = load_tokenizer(root / paths.SFT_MODEL, params.model.trust_remote_code)
-    questions, splits = held_out_questions(root, params, tokenizer, limit)
+    questions, keys = held_out_questions(root, params, tokenizer, limit)
     summaries = []
     for folder in models:
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=params.model.trust_remote_code)
         v = judge(model.to(device).eval(), tokenizer, params, questions, samples)
         with out.open("a") as fh:
-            for q, split in enumerate(splits):
-                fh.write(json.dumps({"model": str(folder), "question": q, "split": split,
-                                     "greedy_right": bool(v.greedy[q]),
+            for q, (split, position, row_id) in enumerate(keys):
+                fh.write(json.dumps({"model": str(folder), "question": q, "split": split, "position": position,
+                                     "id": row_id, "greedy_right": bool(v.greedy[q]),
                                      "sampled_right": [int(x) for x in v.sampled[q].tolist()]}) + "\n")
         summaries.append({"model": str(folder)} | v.summary() | {"temperature": params.rlhf.temperature,
                                                                   "judge_s": round(time.perf_counter() - t0, 1)})

@@ -14,7 +14,8 @@ run, appended as runs finish, with the RM and SFT builds, the params digest and 
 :func:`provenance`; a re-run skips the pairs already there) and
 the summary table to stdout. ``--judge K`` also judges every run's actor and the SFT start on every held-out
 question, greedy and ``K`` sampled answers each (``benchmarks.heldout``), and adds the gains over SFT paired
-over the questions (``heldout_*`` keys; the SFT start's verdicts in ``OUT/heldout-sft.jsonl``).
+over the questions (``heldout_*`` keys; the SFT start's verdicts in ``OUT/heldout-sft.jsonl``). A run that
+finished before it was judged is not judged by a re-run: give the re-run another ``--out``.
 
     python -m benchmarks.learning --workspace W --seeds 1,2,3,4 --out runs \\
         ours_grpo=rlhf.algorithm=grpo trl
@@ -137,30 +138,37 @@ def check_sft_verdicts(out: Path, samples: int) -> None:
     for verdicts in (read_verdicts(rows) if rows.exists() else {}).values():
         if verdicts.sampled.shape[1] != samples:
             raise ValueError(f"{rows}: the SFT start was judged with {verdicts.sampled.shape[1]} sampled answers per "
-                             f"question, not --judge {samples}; judge into another --out, or remove the file")
+                             f"question, not --judge {samples}; judge into another --out")
 
 
 def judged(run_dir: Path, samples: int, threads: int, sft_judged: Future) -> dict:
     """``heldout_*``: the actor's greedy and sampled accuracy on every held-out question, and its gains over the
-    SFT start paired over the questions (``benchmarks.heldout.compare``); ``heldout_error`` when the SFT start's
-    judge failed (the run's own row is kept)."""
-    from benchmarks.heldout import compare, read_verdicts
-
+    SFT start paired over the questions (``benchmarks.heldout.compare``); where either judge or the pairing
+    fails, ``heldout_error`` says why and where to look, and the run's own row is kept."""
     try:
-        sft_rows = sft_judged.result()
+        return _judged(run_dir, samples, threads, sft_judged)
     except subprocess.CalledProcessError as e:
         return {"heldout_error": f"the SFT start's judge failed (rc {e.returncode}): see "
                                  f"{run_dir.parent / 'heldout-sft.log'}"}
+    except Exception as e:  # noqa: BLE001 -- a finished run's row must not be lost to its judge
+        return {"heldout_error": f"{type(e).__name__}: {e}"}
+
+
+def _judged(run_dir: Path, samples: int, threads: int, sft_judged: Future) -> dict:
+    from benchmarks.heldout import compare, read_verdicts
+
+    sft_rows = sft_judged.result()
     rows = run_dir / "heldout.jsonl"
     rows.unlink(missing_ok=True)
     with open(run_dir / "heldout.log", "w") as logf:
         rc = subprocess.run(judge_command(run_dir, samples, rows, run_dir / paths.ACTOR_MODEL), env=run_env(threads),
                             stdout=logf, stderr=subprocess.STDOUT).returncode
     if rc != 0:
-        return {"heldout_rc": rc}
+        return {"heldout_error": f"the actor's judge failed (rc {rc}): see {run_dir / 'heldout.log'}"}
     (actor,), (sft,) = read_verdicts(rows).values(), read_verdicts(sft_rows).values()
     summary = actor.summary()
-    out = {"heldout_questions": summary["questions"], "heldout_greedy": summary["greedy_accuracy"],
+    out = {"heldout_questions": summary["questions"], "heldout_samples": samples,
+           "heldout_greedy": summary["greedy_accuracy"],
            "heldout_sampled": summary.get("sampled_accuracy"), "heldout_sft_greedy": sft.summary()["greedy_accuracy"],
            "heldout_sft_sampled": sft.summary().get("sampled_accuracy")}
     return out | {f"heldout_{k}": v for k, v in compare(sft, actor).items()}

@@ -12,6 +12,8 @@ Run:  OMP_NUM_THREADS=1 python docs/measurements/smollm2_sampled_300.py WS K OUT
 the first N of each set, for a rehearsal)
 Compare:  python docs/measurements/smollm2_sampled_300.py compare OUT.jsonl  (per model after the first: the
 sampled and greedy gains over the first, each with its standard error over the questions, paired)
+Its maintained form, which also pairs the questions by id and runs after every benchmark run:
+python -m benchmarks.heldout (and benchmarks.learning --judge K; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -45,16 +45,41 @@ def test_compare_pairs_the_sampled_share_per_question():
                              "sampled_accuracy": 0.5, "sampled_se": 0.2887, "pass_at_2": 0.6667}
 
 
+def _row(model, split, position, greedy, sampled):
+    return json.dumps({"model": model, "question": position, "split": split, "position": position,
+                       "id": f"{split}-{position}", "greedy_right": greedy, "sampled_right": sampled}) + "\n"
+
+
 def test_read_verdicts_names_a_bad_line_and_keeps_a_rejudged_models_last_rows(tmp_path):
     rows = tmp_path / "q.jsonl"
-    lines = [{"model": m, "question": q, "greedy_right": g, "sampled_right": [int(g)]}
-             for m, q, g in (("sft", 0, True), ("sft", 1, False), ("rl", 0, False), ("rl", 1, False), ("rl", 1, True))]
-    rows.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    good = [_row("sft", "rl", 0, True, [1]), _row("sft", "sft", 0, False, [0]), _row("rl", "rl", 0, False, [0]),
+            _row("rl", "sft", 0, False, [0]), _row("rl", "sft", 0, True, [1])]
+    rows.write_text("".join(good))
     got = read_verdicts(rows)
     assert list(got) == ["sft", "rl"] and got["rl"].greedy.tolist() == [0.0, 1.0]
-    rows.write_text(rows.read_text() + '{"model": "rl", "greedy_right": true}\n')
-    with pytest.raises(ValueError, match=r"q.jsonl:6: not a judge row"):
-        read_verdicts(rows)
+    assert got["rl"].keys == (("rl", 0, "rl-0"), ("sft", 0, "sft-0"))  # the same position in two splits: two
+    for bad, message in (('{"model": "rl", "greedy_right": true}\n', r"q.jsonl:6: not a judge row \(KeyError"),
+                         (_row("rl", "rl", 1, 1, [1]), r"q.jsonl:6: not a judge row .*true/false"),
+                         (_row("rl", "rl", 1, True, [2]), r"q.jsonl:6: not a judge row .*list of 0/1"),
+                         (_row("rl", "rl", 1, True, [1, 0]), r"q.jsonl:6: 2 sampled answers, but rl.s first row has 1"),
+                         ):
+        rows.write_text("".join(good) + bad)
+        with pytest.raises(ValueError, match=message):
+            read_verdicts(rows)
+
+
+def test_compare_pairs_by_question_and_refuses_other_questions():
+    keys = (("rl", 0, "a"), ("rl", 1, "b"), ("sft", 0, "c"))
+    sft = Verdicts(torch.tensor([1.0, 0.0, 0.0]), torch.zeros(3, 0), keys)
+    shuffled = Verdicts(torch.tensor([0.0, 1.0, 1.0]), torch.zeros(3, 0), (keys[2], keys[0], keys[1]))
+    assert compare(sft, shuffled) == {"greedy_gain": round(1 / 3, 4), "greedy_gain_se": round(1 / 3, 4),
+                                      "right_to_wrong": 0, "wrong_to_right": 1}  # by key: [1, 1, 0] against [1, 0, 0]
+    other = Verdicts(torch.tensor([1.0, 0.0, 0.0]), torch.zeros(3, 0), (keys[0], keys[1], ("sft", 0, "d")))
+    with pytest.raises(ValueError, match=r"judged on other questions \(3 and 3, 2 not in both\)"):
+        compare(sft, other)
+    with pytest.raises(ValueError, match=r"same questions, got \(3,\) and \(1,\)"):
+        flips(sft.greedy, sft.greedy[:1])
+    assert paired_gain(torch.tensor([1.0]), torch.tensor([0.0])) == (-1.0, None)  # one question: no spread
 
 
 @pytest.mark.slow
@@ -73,10 +98,11 @@ def test_judge_agrees_with_the_stage_evaluator_and_samples_one_stream_for_every_
     train_sft(params, tmp_path)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
     tok = load_tokenizer(tmp_path / "models/sft")
-    questions, splits = held_out_questions(tmp_path, params, tok)
+    questions, keys = held_out_questions(tmp_path, params, tok)
+    splits = [split for split, _, _ in keys]
     heldout = load_prompts(params, tmp_path, tok).heldout
     n_rl = len(heldout.prompts)
-    assert splits.count("rl_heldout") == n_rl and splits.count("sft_heldout") > 0
+    assert splits.count("rl_heldout") == n_rl and splits.count("sft_heldout") > 0 and len(set(keys)) == len(keys)
     assert questions.prompts[:n_rl] == heldout.prompts and len(questions.answers) == len(splits)
 
     sft = str(tmp_path / "models/sft")
@@ -90,7 +116,7 @@ def test_judge_agrees_with_the_stage_evaluator_and_samples_one_stream_for_every_
     assert 0.0 < summaries[0]["sampled_accuracy"] < 1.0  # sampled answers, not the greedy ones again
 
     rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
-    other = [r | {"model": "other", "greedy_right": not r["greedy_right"]} for r in rows[:len(splits)]]
+    other = [r | {"model": "other", "greedy_right": not r["greedy_right"]} for r in rows[:len(splits)][::-1]]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:len(splits)] + other))
     main(["compare", str(tmp_path / "q.jsonl")])
     line = json.loads(capsys.readouterr().out)

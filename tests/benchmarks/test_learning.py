@@ -156,6 +156,9 @@ def test_judge_adds_the_paired_gains_over_sft_on_every_held_out_question(tmp_pat
         assert row["heldout_greedy_gain"] == pytest.approx(row["heldout_greedy"] - row["heldout_sft_greedy"],
                                                            abs=2e-4)
         assert {f"heldout_{k}": v for k, v in compare(sft, actor).items()}.items() <= row.items()
+        assert row["heldout_samples"] == 2 and actor.sampled.shape == sft.sampled.shape == (sft.greedy.numel(), 2)
+        right_to_wrong = int((sft.greedy.bool() & ~actor.greedy.bool()).sum())  # both files list one order here
+        assert row["heldout_right_to_wrong"] == right_to_wrong
     table = capsys.readouterr().out
     assert "| ours | 2 x " in table and "sampled gain ± SE over seeds" in table
     with pytest.raises(ValueError, match=r"heldout-sft.jsonl: the SFT start was judged with 2 sampled answers per "
@@ -184,3 +187,9 @@ def test_judged_summary_by_hand_and_a_failed_sft_judge_keeps_the_row(tmp_path):
     run_dir = tmp_path / "ours-s1"
     assert judged(run_dir, 4, 1, failed) == {
         "heldout_error": f"the SFT start's judge failed (rc 3): see {tmp_path / 'heldout-sft.log'}"}
+    no_actor = Future()
+    no_actor.set_result(tmp_path / "heldout-sft.jsonl")
+    run_dir.mkdir()  # a run directory without an actor (or a workspace): the actor's judge fails, the row stays
+    assert judged(run_dir, 4, 1, no_actor) == {
+        "heldout_error": f"the actor's judge failed (rc 1): see {run_dir / 'heldout.log'}"}
+    assert "Traceback" in (run_dir / "heldout.log").read_text()
