@@ -99,7 +99,8 @@ def compare(base: Verdicts, other: Verdicts) -> dict:
             raise ValueError(f"the two models were judged on other questions ({len(base.keys)} and "
                              f"{len(other.keys)}, {len(set(base.keys) ^ set(other.keys))} not in both): judge both "
                              "on one workspace")
-        order = torch.tensor([{k: i for i, k in enumerate(other.keys)}[k] for k in base.keys])
+        row_of = {k: i for i, k in enumerate(other.keys)}
+        order = torch.tensor([row_of[k] for k in base.keys])
         other = Verdicts(other.greedy[order], other.sampled[order], base.keys)
     g, g_se = paired_gain(base.greedy, other.greedy)
     out = {"greedy_gain": round(g, 4), "greedy_gain_se": _round(g_se)}
@@ -142,7 +143,7 @@ def held_out_questions(root: Path, params, tokenizer, limit: int | None = None):
 def judge(model, tokenizer, params, questions, samples: int) -> Verdicts:
     """Greedy and ``samples`` sampled answers (at ``rlhf.temperature``, from :data:`JUDGE_SEED`) to every
     question, judged by ``eval.checker``."""
-    from rlhf_core.evaluation import HeldOut, answer_batches
+    from rlhf_core.evaluation import answer_batches
     from rlhf_core.rewards import get_checker
 
     check = get_checker(params.eval.checker)
@@ -156,12 +157,10 @@ def judge(model, tokenizer, params, questions, samples: int) -> Verdicts:
             right[rows] = torch.tensor([float(check(t, data.answers[j])) for t, j in texts])
         return right
 
-    repeat = torch.arange(q).repeat_interleave(samples)
-    repeated = HeldOut([questions.prompts[i] for i in repeat.tolist()], [questions.answers[i] for i in repeat.tolist()],
-                       questions.tokens.select(repeat))
     torch.manual_seed(JUDGE_SEED)
     with torch.inference_mode():
-        sampled = verdicts(repeated, params.rlhf.temperature).view(q, samples) if samples else torch.zeros(q, 0)
+        sampled = verdicts(questions.repeat_each(samples), params.rlhf.temperature).view(q, samples) if samples \
+            else torch.zeros(q, 0)
         greedy = verdicts(questions, 0.0)
     return Verdicts(greedy, sampled)
 

@@ -166,11 +166,11 @@ def _judged(run_dir: Path, samples: int, threads: int, sft_judged: Future) -> di
     if rc != 0:
         return {"heldout_error": f"the actor's judge failed (rc {rc}): see {run_dir / 'heldout.log'}"}
     (actor,), (sft,) = read_verdicts(rows).values(), read_verdicts(sft_rows).values()
-    summary = actor.summary()
+    summary, sft_summary = actor.summary(), sft.summary()
     out = {"heldout_questions": summary["questions"], "heldout_samples": samples,
-           "heldout_greedy": summary["greedy_accuracy"],
-           "heldout_sampled": summary.get("sampled_accuracy"), "heldout_sft_greedy": sft.summary()["greedy_accuracy"],
-           "heldout_sft_sampled": sft.summary().get("sampled_accuracy")}
+           "heldout_greedy": summary["greedy_accuracy"], "heldout_sampled": summary.get("sampled_accuracy"),
+           "heldout_sft_greedy": sft_summary["greedy_accuracy"],
+           "heldout_sft_sampled": sft_summary.get("sampled_accuracy")}
     return out | {f"heldout_{k}": v for k, v in compare(sft, actor).items()}
 
 

@@ -33,6 +33,13 @@ class HeldOut:
     answers: list | None
     tokens: Ragged
 
+    def repeat_each(self, k: int) -> HeldOut:
+        """Every prompt ``k`` times in a row (``p0 x k, p1 x k, ...``), for ``k`` sampled answers per prompt."""
+        repeat = torch.arange(len(self.prompts)).repeat_interleave(k)
+        return HeldOut([self.prompts[i] for i in repeat.tolist()],
+                       [self.answers[i] for i in repeat.tolist()] if self.answers is not None else None,
+                       self.tokens.select(repeat))
+
 
 def shard_for_eval(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's eval rows, padded so every rank runs the same number of batches (ZeRO-3 needs that);

@@ -154,9 +154,7 @@ def load_prompts(params: Params, root: Path, tokenizer) -> Prompts:
     tokens = encode(train["prompt"])
     first = torch.arange(n_seen)
     seen = HeldOut(train["prompt"][:n_seen], train["answer"][:n_seen], tokens.select(first)) if n_seen else None
-    repeat = torch.arange(len(texts)).repeat_interleave(k)
-    sampled = HeldOut([texts[i] for i in repeat.tolist()], [answers[i] for i in repeat.tolist()],
-                      heldout.tokens.select(repeat)) if k else None
+    sampled = HeldOut(texts, answers, heldout.tokens).repeat_each(k) if k else None
     return Prompts(train["prompt"], train["answer"], tokens, heldout, seen, sampled)
 
 

@@ -132,3 +132,14 @@ def test_judge_model_scores_when_prompts_have_no_checker(prepared, workspace):
         evaluate(none, workspace)
     shutil.copytree(judge_dir, workspace / "models/judge")  # trained by the rm stage (rm.judge): found by default
     assert evaluate(none, workspace)["judge_source"] == "model:models/judge"
+
+
+def test_held_out_repeat_each_keeps_prompts_answers_and_tokens_together():
+    from rlhf_core.data.collate import Ragged
+    from rlhf_core.evaluation import HeldOut
+
+    held = HeldOut(["a", "b"], [1, 2], Ragged.from_lists([[5, 6], [7]]))
+    twice = held.repeat_each(2)
+    assert twice.prompts == ["a", "a", "b", "b"] and twice.answers == [1, 1, 2, 2]
+    assert twice.tokens.flat.tolist() == [5, 6, 5, 6, 7, 7] and twice.tokens.lengths.tolist() == [2, 2, 1, 1]
+    assert HeldOut(["a"], None, Ragged.from_lists([[5]])).repeat_each(3).answers is None
