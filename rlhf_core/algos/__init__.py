@@ -8,6 +8,7 @@ valid action positions unless a docstring says otherwise.
 from __future__ import annotations
 
 from rlhf_core.algos.advantages import (
+    best_of_group,
     discounted_cumsum,
     gae,
     group_advantages,
@@ -62,6 +63,7 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "gather_last",
+    "best_of_group",
     "group_advantages",
     "implicit_reward",
     "kl_estimate",

@@ -128,6 +128,17 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: str = "group"
     return out.reshape(scores.shape)
 
 
+def best_of_group(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RAFT's selection (reward-ranked fine-tuning, Dong et al. 2023; Llama 2's rejection sampling, online):
+    ``A_i = [i = argmax_g s]``, 1 for each group's highest score and 0 for the others; ties go to the first.
+
+    With these advantages the clipped surrogate at ratio 1 is the NLL of each group's best response, i.e. SFT on
+    the reward model's pick among the policy's own samples. Groups contiguous as in :func:`group_advantages`.
+    """
+    best = _grouped(scores, group_size).argmax(dim=1)
+    return F.one_hot(best, group_size).to(scores.dtype).reshape(scores.shape)
+
+
 def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """REINFORCE Leave-One-Out (Ahmadian et al., 2024): ``A_i = r_i - mean_{j != i} r_j`` within each group.
 

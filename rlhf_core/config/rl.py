@@ -58,6 +58,13 @@ class GRPOConfig(Section):
     clip_eps: float = Field(0.2, gt=0.0, description="Ratio clip of the GRPO surrogate.")
     scale: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO: centre only).")
+    advantage: Literal["normalised", "best"] = Field(
+        "normalised", description="`normalised`: GRPO's group-relative score (`scale`). `best`: RAFT (reward-ranked "
+                                  "fine-tuning, online): each group's highest-scored response gets advantage 1, "
+                                  "the others leave the buffer before the reference pass and training, counted "
+                                  "as `unselected_dropped`; the loss is then the NLL of the reward's pick among "
+                                  "the policy's own samples (+ the KL term). It uses only the reward's ranking "
+                                  "within a group, never its scale. Outcome supervision only.")
     supervision: Literal["outcome", "process"] = Field(
         "outcome", description="`outcome`: one score per response, every token's advantage the group-normalised "
                                "score. `process` (DeepSeekMath 4.1.3): a process reward model (`rm.objective: "
@@ -207,6 +214,9 @@ class RLHFConfig(OptimConfig):
         if self.algorithm == "ppo" and self.ppo.advantage_estimator == "rloo" and self.ppo.samples_per_prompt < 2:
             raise ValueError("ppo.advantage_estimator: rloo needs ppo.samples_per_prompt >= 2 "
                              f"(got {self.ppo.samples_per_prompt})")
+        if self.algorithm == "grpo" and self.grpo.advantage == "best" and self.grpo.supervision == "process":
+            raise ValueError("grpo.advantage: best picks one response per group by its outcome score: it needs "
+                             "grpo.supervision: outcome (got process)")
         k1 = ("k1 = logp - ref_logp has zero expected gradient as a loss term (E_pi[grad log pi] = 0), so it does "
               "not pull toward the reference; use k2 or k3")
         if self.algorithm == "grpo" and self.grpo.beta > 0 and self.grpo.kl_estimator == "k1":

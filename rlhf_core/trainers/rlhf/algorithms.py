@@ -5,6 +5,7 @@ and ``c`` the KL coefficient::
 
     algorithm         critic  baselined score b_i (whole groups)      token advantages A_t             KL to ref
     grpo              -       (s_i - mean_g s) / std (grpo.scale)     A_t = b_i                        beta k3, loss
+    grpo/best (RAFT)  -       [i = argmax_g s] (others dropped)       A_t = b_i                        beta k3, loss
     grpo/process      -       per step: r~ = (r - mean_g R) / std_g R  A_t = sum_{ends >= t} r~         beta k3, loss
     ppo/gae           yes     s_i, or s_i - mean_g s                  GAE(V, r)                        in r (or loss)
     ppo/gae/process   yes     per step: r~ as grpo/process            GAE(V, r), r~ at the step ends   in r (or loss)
@@ -26,6 +27,7 @@ from functools import partial
 import torch
 
 from rlhf_core.algos import (
+    best_of_group,
     discounted_cumsum,
     gae,
     group_advantages,
@@ -47,7 +49,7 @@ Advantages = Callable[[Experience, float], Experience]  # (buffer, kl_coef) -> b
 class Algorithm:
     """One RL algorithm: its needs (critic, rollout log-probs, reference) and its equations."""
 
-    name: str  # grpo | ppo/gae | ppo/rloo | ppo/reinforce_pp
+    name: str  # grpo | grpo/best | grpo/process | ppo/gae | ppo/rloo | ppo/reinforce_pp
     critic: bool  # trains a value model (initialised from models/rm)
     kl_in_reward: bool  # -c * KL_t is part of the token rewards: needs the rollout log-probs before training
     kl_coef: float  # the (initial) KL coefficient c; 0: no reference model pass
@@ -57,6 +59,7 @@ class Algorithm:
     advantages: Advantages
     loss: ActorLossConfig
     drop_uniform_groups: bool = False  # groups scored all alike (every advantage 0) leave the buffer (GRPO)
+    drop_unselected: bool = False  # rows that are not their group's pick (advantage 0) leave the buffer (RAFT)
     process: bool = False  # step rewards from a process reward model, normalised per group (*/process)
 
     @property
@@ -69,14 +72,16 @@ def algorithm_for(cfg: RLHFConfig) -> Algorithm:
     n = cfg.samples_per_prompt
     if cfg.algorithm == "grpo":
         g = cfg.grpo
-        process = g.supervision == "process"
-        return Algorithm("grpo/process" if process else "grpo", critic=False, kl_in_reward=False, kl_coef=g.beta,
-                         kl_metric="k1", adaptive_kl=False,
-                         baseline=partial(group_advantages, group_size=n, scale=g.scale),
+        process, best = g.supervision == "process", g.advantage == "best"
+        return Algorithm("grpo/process" if process else "grpo/best" if best else "grpo", critic=False,
+                         kl_in_reward=False, kl_coef=g.beta, kl_metric="k1", adaptive_kl=False,
+                         baseline=partial(best_of_group, group_size=n) if best
+                         else partial(group_advantages, group_size=n, scale=g.scale),
                          advantages=process_grpo_advantages if process else grpo_advantages,
                          loss=ActorLossConfig(clip_eps=g.clip_eps, kl_in_loss=g.beta > 0, kl_estimator=g.kl_estimator,
                                               entropy_coef=cfg.entropy_coef, temperature=cfg.temperature),
-                         drop_uniform_groups=g.drop_uniform_groups and not process, process=process)
+                         drop_uniform_groups=g.drop_uniform_groups and not process, drop_unselected=best,
+                         process=process)
     p = cfg.ppo
     process = p.supervision == "process"
     centred = partial(group_advantages, group_size=n, scale="none")

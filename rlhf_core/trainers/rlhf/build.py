@@ -129,7 +129,8 @@ def build(params: Params, root: Path) -> RLHFBundle:
                     need_old_logp=alg.kl_in_reward or not one_step_per_buffer,
                     need_ref=alg.needs_reference, need_values=alg.critic, baseline=alg.baseline,
                     no_eos_penalty=cfg.no_eos_penalty, shared_prefix=shared_prefix, pack_groups=cfg.pack_groups,
-                    drop_uniform_groups=alg.drop_uniform_groups, checker=params.eval.checker,
+                    drop_uniform_groups=alg.drop_uniform_groups, drop_unselected=alg.drop_unselected,
+                    checker=params.eval.checker,
                     process=load_process_rewards(params, inputs.rm, tok, actor.device,
                                                  cfg.forward_batch_size or cfg.micro_batch_size)
                     if alg.process else None),

@@ -6,7 +6,8 @@ One generation batch goes through these steps (``ExperienceMaker.make``)::
       -> score every row with the reward sources (no-EOS rows optionally get ``no_eos_penalty``)
       -> the algorithm's baseline on whole groups (``baselined``: GRPO, RLOO, group mean) on *all* rows
       -> drop rows whose response is empty (only EOS), counted; with ``drop_uniform_groups`` (GRPO) also the
-         groups whose scores are all equal (zero advantage on every row), counted
+         groups whose scores are all equal (zero advantage on every row), with ``drop_unselected`` (RAFT) the
+         rows that are not their group's pick, each counted
       -> one pass per model under ``torch.inference_mode()``, logits only over response positions:
          actor old log-probs (unless recorded while sampling), reference log-probs, critic values
 
@@ -183,6 +184,7 @@ class MakerConfig:
     shared_prefix: bool = False  # log-prob passes compute each group's prompt once
     pack_groups: bool = False  # ... with the group's responses packed after it (``group_packing``)
     drop_uniform_groups: bool = False  # drop groups whose scores are all equal (zero advantage on every row)
+    drop_unselected: bool = False  # drop rows that are not their group's pick (RAFT: baselined score 0)
     checker: str = "exact"  # eval.checker: judges the samples (logged, never the reward)
     process: ProcessRewards | None = None  # grpo.supervision / ppo.supervision: process
 
@@ -276,16 +278,18 @@ class ExperienceMaker:
                 "groups": float(len(prompts))}
         all_equal = uniform_groups(scores, n)
         uniform = (all_equal if cfg.drop_uniform_groups else torch.zeros_like(empty)) & ~empty
+        unselected = (baselined == 0) & ~empty & ~uniform if cfg.drop_unselected else torch.zeros_like(empty)
+        idle = uniform | unselected  # scored, never trained on
         info |= {"uniform_groups": float(all_equal.sum()) / n, "uniform": float(uniform.sum()),
-                 "uniform_score": float(scores[uniform].sum()),
-                 "uniform_score_sq": float((scores[uniform] ** 2).sum())}
+                 "unselected": float(unselected.sum()), "idle": float(idle.sum()),
+                 "idle_score": float(scores[idle].sum()), "idle_score_sq": float((scores[idle] ** 2).sum())}
         step_adv = step_norm = step_rewards = None
         if cfg.process is not None:
             step_adv, step_norm, step_rewards, empty_step = cfg.process.read(roll, n)
             empty_step &= ~empty
             info["empty_step"] = float(empty_step.sum())
             empty |= empty_step
-        keep = ~empty & ~uniform
+        keep = ~empty & ~idle
         if not keep.any():  # keep one row with a zero action mask so the training passes still run
             keep = torch.zeros_like(keep)
             keep[0] = True

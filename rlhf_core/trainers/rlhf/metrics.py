@@ -2,8 +2,8 @@
 
 Sums, not means, are reduced so that ranks with different numbers of surviving rows and tokens weigh
 correctly: ``score_mean = sum score / scored rows`` (every non-empty sample, including the uniform groups
-that ``rlhf.grpo.drop_uniform_groups`` keeps out of training; ``reward_mean`` and ``kl`` cover the trained
-rows), a training statistic is ``sum (stat * tokens) / tokens``,
+that ``rlhf.grpo.drop_uniform_groups`` and the rows that ``rlhf.grpo.advantage: best`` keep out of training;
+``reward_mean`` and ``kl`` cover the trained rows), a training statistic is ``sum (stat * tokens) / tokens``,
 times are means over ranks. ``explained_variance = 1 - Var(R - V) / Var(R)`` over valid tokens.
 """
 
@@ -37,12 +37,13 @@ def buffer_sums(exp: Experience, kl_metric: str) -> dict[str, float]:
     seq_reward = torch.where(mask, exp.rewards, zero).sum(dim=1)
     info = exp.info
     sums = {k: float(info[k]) for k in ("rows", "empty", "no_eos", "length_sum", "correct", "group_std_sum",
-                                        "groups", "t_generate", "t_score", "uniform", "uniform_groups")}
-    # score_mean / score_std cover every non-empty sample, trained on or dropped as a uniform group
+                                        "groups", "t_generate", "t_score", "uniform", "uniform_groups",
+                                        "unselected")}
+    # score_mean / score_std cover every non-empty sample, trained on or dropped (a uniform group, not the pick)
     sums |= {"kept": float(kept.sum()),
-             "score": float(scores.sum()) + info["uniform_score"],
-             "score_sq": float((scores ** 2).sum()) + info["uniform_score_sq"],
-             "scored": float(kept.sum()) + info["uniform"],
+             "score": float(scores.sum()) + info["idle_score"],
+             "score_sq": float((scores ** 2).sum()) + info["idle_score_sq"],
+             "scored": float(kept.sum()) + info["idle"],
              "reward": float(seq_reward.sum()), "reward_sq": float((seq_reward ** 2).sum()),
              "kl": float(sampled_kl(exp, kl_metric).sum())}
     if "empty_step" in info:  # process supervision: responses with an empty step, dropped
@@ -71,6 +72,7 @@ def iteration_metrics(sums: dict[str, float], train: dict[str, float], world: in
          "reward_mean": s["reward"] / kept, "reward_std": _std(s["reward"], s["reward_sq"], kept),
          "kl": s["kl"] / kept, "response_length": s["length_sum"] / rows, "eos_share": 1 - s["no_eos"] / rows,
          "no_eos_share": s["no_eos"] / rows, "empty_dropped": s["empty"], "uniform_dropped": s["uniform"],
+         "unselected_dropped": s["unselected"],
          "no_eos": s["no_eos"], "rows": rows,
          **t, "samples_per_s": rows / t["t_step"] if t["t_step"] > 0 else 0.0}
     if "empty_step" in s:
@@ -121,5 +123,6 @@ def curve_summary(state: TrainState) -> dict:
         **{f"time_{k}_s": sum(r[f"t_{k}"] for r in curve) for k in ("generate", "score", "train")},
         "train_time_s": round(state.train_time_s, 3), "empty_dropped_total": totals.get("empty_dropped", 0.0),
         "uniform_dropped_total": totals.get("uniform_dropped", 0.0),
+        "unselected_dropped_total": totals.get("unselected_dropped", 0.0),
         "no_eos_total": totals.get("no_eos", 0.0), "rows_total": totals.get("rows", 0.0),
     }

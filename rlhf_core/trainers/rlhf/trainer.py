@@ -279,7 +279,7 @@ class RLHFTrainer:
         state.step += 1
         state.train_time_s += m["t_step"]
         totals = state.extra["totals"]
-        for k in ("rows", "empty_dropped", "uniform_dropped", "no_eos"):
+        for k in ("rows", "empty_dropped", "uniform_dropped", "unselected_dropped", "no_eos"):
             totals[k] = totals.get(k, 0.0) + m[k]
         state.curve.append({"step": state.step} | {k: round(m[src], 6) for k, src in CURVE_KEYS.items()})
         state.extra["kl_ctl"] = b.kl_ctl.state_dict()

@@ -10,6 +10,7 @@ import torch
 from rlhf_core.algos import (
     AdaptiveKLController,
     FixedKLController,
+    best_of_group,
     discounted_cumsum,
     entropy_from_logits,
     gae,
@@ -251,6 +252,14 @@ def test_group_advantages_bad_group_size():
         group_advantages(torch.zeros(6), group_size=4)
     with pytest.raises(ValueError, match="scale"):
         group_advantages(torch.zeros(6), group_size=3, scale="bogus")
+
+
+def test_best_of_group_one_hot_first_max():
+    """Groups (0.1, 0.7, 0.3), (2, 2, -1), (-5, -4, -6): the picks are 0.7, the first of the tied 2s, and -4."""
+    picks = best_of_group(t([0.1, 0.7, 0.3, 2.0, 2.0, -1.0, -5.0, -4.0, -6.0]), group_size=3)
+    assert picks.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    with pytest.raises(ValueError):
+        best_of_group(torch.zeros(6), group_size=4)
 
 
 def test_rloo_advantages():

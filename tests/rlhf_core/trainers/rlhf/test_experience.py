@@ -25,11 +25,11 @@ EOS, PAD, V = 2, 0, 8
 
 def algo(name: str = "ppo", estimator: str = "gae", kl_in: str = "reward", kl_estimator: str = "k1",
          reward_clip: float | None = None, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, n: int = 1,
-         score_baseline: str = "none"):
+         score_baseline: str = "none", advantage: str = "normalised"):
     """The algorithm declaration for these settings (``rlhf_core.trainers.rlhf.algorithms``)."""
     return algorithm_for(RLHFConfig(
         algorithm=name, kl_estimator=kl_estimator, reward_clip=reward_clip, whiten_advantages=whiten,
-        grpo={"group_size": max(n, 2)},
+        grpo={"group_size": max(n, 2), "advantage": advantage},
         ppo={"advantage_estimator": estimator, "kl_in": kl_in, "gamma": gamma, "lam": lam, "samples_per_prompt": n,
              "score_baseline": score_baseline}))
 
@@ -83,12 +83,14 @@ PROMPT_MASK = torch.tensor([[0, 1, 1], [1, 1, 1]])
 
 
 def make(script, *, eos=EOS, pad=PAD, algorithm="ppo", n=1, penalty=None, scores=None, critic=True,
-         prompts=PROMPTS, prompt_mask=PROMPT_MASK, drop_uniform=False):
+         prompts=PROMPTS, prompt_mask=PROMPT_MASK, drop_uniform=False, advantage="normalised"):
     actor, ref = ScriptedLM(bigram(0), script), ScriptedLM(bigram(1))
-    maker_cfg = MakerConfig(baseline=algo(algorithm, n=n).baseline, samples_per_prompt=n,
+    declared = algo(algorithm, n=n, advantage=advantage)
+    maker_cfg = MakerConfig(baseline=declared.baseline, samples_per_prompt=n,
                             gen=GenerationConfig(max_new_tokens=4),
                             forward_batch_size=2, need_old_logp=True, need_ref=True, need_values=critic,
-                            no_eos_penalty=penalty, drop_uniform_groups=drop_uniform)
+                            no_eos_penalty=penalty, drop_uniform_groups=drop_uniform,
+                            drop_unselected=declared.drop_unselected)
     given = scores
 
     def score_fn(prompts_, completions, **_):
@@ -199,13 +201,40 @@ def test_uniform_groups_are_dropped_and_counted():
           "prompt_mask": pmask}
     exp, _, _ = make(script, drop_uniform=True, **kw)
     assert exp.group.tolist() == [1, 1] and exp.responses[:, 0].tolist() == [4, 5]
-    assert exp.info["uniform"] == 2 and exp.info["uniform_score"] == 2.0 and exp.info["uniform_score_sq"] == 2.0
+    assert exp.info["uniform"] == 2 and exp.info["idle_score"] == 2.0 and exp.info["idle_score_sq"] == 2.0
     assert exp.info["uniform_groups"] == 1 and exp.info["groups"] == 2  # uniform_group_share 1/2
     assert exp.ref_logp.shape[0] == 2  # the reference pass ran on the kept rows only
     kept, _, _ = make(script, drop_uniform=False, **kw)
     assert len(kept) == 4 and kept.info["uniform"] == 0
     assert kept.info["uniform_groups"] == 1  # counted whether or not the groups are dropped
     assert kept.baselined[:2].tolist() == [0.0, 0.0]  # what dropping saves: rows with no policy gradient
+
+
+def test_best_of_group_keeps_only_each_groups_pick():
+    """RAFT (``grpo.advantage: best``): two groups of 4 scored (0.2, 0.9, 0.5, 0.9) and (-1, -3, -1, -2): the
+    picks are rows 1 and 4 (ties go to the first), each with advantage 1 on every token; the other six rows leave
+    before the reference pass, counted with their scores (0.2 + 0.5 + 0.9 - 3 - 1 - 2 = -4.4)."""
+    script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, EOS, PAD], [4, EOS, PAD, PAD], [6, EOS, PAD, PAD],
+                           [5, 7, EOS, PAD], [6, EOS, PAD, PAD], [4, EOS, PAD, PAD], [3, EOS, PAD, PAD]])
+    prompts, pmask = PROMPTS[[0] * 4 + [1] * 4], PROMPT_MASK[[0] * 4 + [1] * 4]
+    exp, _, _ = make(script, algorithm="grpo", n=4, scores=[0.2, 0.9, 0.5, 0.9, -1.0, -3.0, -1.0, -2.0],
+                     critic=False, prompts=prompts, prompt_mask=pmask, advantage="best")
+    assert exp.responses[:, 0].tolist() == [3, 5] and exp.group.tolist() == [0, 1]
+    assert exp.baselined.tolist() == [1.0, 1.0] and exp.ref_logp.shape[0] == 2
+    assert exp.info["unselected"] == 6 and exp.info["uniform"] == 0 and exp.info["idle"] == 6
+    assert exp.info["idle_score"] == pytest.approx(-4.4) and exp.info["idle_score_sq"] == pytest.approx(15.1)
+    out = compute_advantages(exp, algo("grpo", n=4, advantage="best"), kl_coef=0.0)
+    assert out.advantages.tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]  # 2 tokens + EOS each
+
+
+def test_best_of_group_an_empty_pick_leaves_its_group_untrained():
+    """The pick's response is empty (only EOS): it is dropped as empty, and the group's other rows, not picked,
+    are dropped too; nothing of that group is trained on."""
+    script = torch.tensor([[EOS, PAD, PAD, PAD], [3, EOS, PAD, PAD], [4, EOS, PAD, PAD], [5, EOS, PAD, PAD]])
+    prompts, pmask = PROMPTS[[0, 0, 1, 1]], PROMPT_MASK[[0, 0, 1, 1]]
+    exp, _, _ = make(script, algorithm="grpo", n=2, scores=[1.0, 0.0, 0.0, 2.0], critic=False, prompts=prompts,
+                     prompt_mask=pmask, advantage="best")
+    assert exp.info["empty"] == 1 and exp.info["unselected"] == 2 and exp.responses[:, 0].tolist() == [5]
 
 
 def test_uniform_groups_count_an_empty_row_once():

@@ -171,6 +171,29 @@ def test_grpo_drops_uniform_groups_but_scores_every_sample(ws):
         assert uniform_rows - m["empty_dropped"] <= m["uniform_dropped"] <= uniform_rows
 
 
+def test_raft_trains_on_each_groups_pick_and_raises_the_reward(ws):
+    """``grpo.advantage: best`` (RAFT): of each group of 8 only the pick is trained on; the other 7 leave before
+    the reference pass, counted as ``unselected_dropped`` (7 per group, less the empty rows among them), and
+    ``score_mean`` still covers every non-empty sample. The held-in reward rises as GRPO's does above."""
+    tr = _trainer(ws, "rlhf.algorithm=grpo", "rlhf.grpo.advantage=best", "rlhf.grpo.group_size=8", "rlhf.lr=1e-3",
+                  "rlhf.num_steps=30", "rlhf.micro_batch_size=32")
+    assert tr.maker.cfg.drop_unselected and not tr.maker.cfg.drop_uniform_groups
+    metrics = [tr.step() for _ in range(30)]
+    for m in metrics:
+        groups = m["rows"] / 8
+        assert groups * 7 - m["empty_dropped"] <= m["unselected_dropped"] <= groups * 7, m
+        assert m["score_mean"] * (m["rows"] - m["empty_dropped"]) == pytest.approx(m["train_accuracy"] * m["rows"])
+    scores = [m["score_mean"] for m in metrics]
+    assert sum(scores[-6:]) / 6 >= sum(scores[:6]) / 6 + 0.1, scores
+    assert tr.state.extra["totals"]["unselected_dropped"] == sum(m["unselected_dropped"] for m in metrics)
+
+
+def test_raft_needs_outcome_supervision():
+    with pytest.raises(ConfigError, match="grpo.advantage: best .* needs grpo.supervision: outcome"):
+        params("rlhf.algorithm=grpo", "rlhf.grpo.advantage=best", "rlhf.grpo.supervision=process",
+               "rlhf.reward_fns={rm: 1.0}")
+
+
 def test_ptx_batch_size_sets_the_sft_rows_beside_each_micro_batch(ws):
     """``rlhf.ptx_batch_size`` rows of sft.parquet per ptx loss; 0 takes ``micro_batch_size``."""
     for overrides, rows in ((("rlhf.ptx_batch_size=3",), 3), ((), 16)):
