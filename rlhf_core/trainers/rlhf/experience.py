@@ -290,6 +290,7 @@ class ExperienceMaker:
             info["empty_step"] = float(empty_step.sum())
             empty |= empty_step
         keep = ~empty & ~idle
+        info["correct_trained"] = float(torch.tensor(judged)[keep].sum()) if judged is not None else 0.0
         if not keep.any():  # keep one row with a zero action mask so the training passes still run
             keep = torch.zeros_like(keep)
             keep[0] = True
