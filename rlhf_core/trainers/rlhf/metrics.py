@@ -38,7 +38,7 @@ def buffer_sums(exp: Experience, kl_metric: str) -> dict[str, float]:
     info = exp.info
     sums = {k: float(info[k]) for k in ("rows", "empty", "no_eos", "length_sum", "correct", "group_std_sum",
                                         "groups", "t_generate", "t_score", "uniform", "uniform_groups",
-                                        "unselected", "correct_trained")}
+                                        "unselected", "correct_trained", "candidates", "correct_candidates")}
     # score_mean / score_std cover every non-empty sample, trained on or dropped (a uniform group, not the pick)
     sums |= {"kept": float(kept.sum()),
              "score": float(scores.sum()) + info["idle_score"],
@@ -79,8 +79,10 @@ def iteration_metrics(sums: dict[str, float], train: dict[str, float], world: in
         m["empty_step_dropped"] = s["empty_step"]
     if judged:  # the judge (checker) on the same sampled responses the proxy scored
         m["train_accuracy"] = m["judge_score"] = s["correct"] / rows
-        # of the rows trained on: under grpo.advantage: best, how often the reward picks a right answer
+        # of the rows trained on: under grpo.advantage: best, how often the reward picks a right answer; and of
+        # every row of their groups (a random pick's score), so their difference is what the reward's pick adds
         m["trained_judge_score"] = s["correct_trained"] / kept
+        m["candidate_judge_score"] = s["correct_candidates"] / max(s["candidates"], 1.0)
     if grouped:
         m["group_reward_std"] = s["group_std_sum"] / max(s["groups"], 1.0)
         m["uniform_group_share"] = s["uniform_groups"] / max(s["groups"], 1.0)

@@ -227,6 +227,23 @@ def test_best_of_group_keeps_only_each_groups_pick():
     assert out.advantages.tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]  # 2 tokens + EOS each
 
 
+def test_best_of_group_counts_right_picks_and_right_candidates():
+    """With answers: group 1 ("7", "34", "4", "6"; answer 34) picks "34", right; group 2 ("57", "6", "4", "3";
+    answer 6) picks "57", wrong. Picks right 1 of 2; candidates (every row of a group with a pick) right 2 of 8."""
+    script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, EOS, PAD], [4, EOS, PAD, PAD], [6, EOS, PAD, PAD],
+                           [5, 7, EOS, PAD], [6, EOS, PAD, PAD], [4, EOS, PAD, PAD], [3, EOS, PAD, PAD]])
+    actor = ScriptedLM(bigram(0), script)
+    declared = algo("grpo", n=4, advantage="best")
+    cfg = MakerConfig(baseline=declared.baseline, samples_per_prompt=4, gen=GenerationConfig(max_new_tokens=4),
+                      forward_batch_size=2, need_old_logp=True, need_ref=False, need_values=False,
+                      drop_unselected=True)
+    scores = torch.tensor([0.2, 0.9, 0.5, 0.9, -1.0, -3.0, -1.0, -2.0])
+    maker = ExperienceMaker(actor, None, None, lambda p, c, **_: scores, Tok(), cfg)
+    exp = maker.make(PROMPTS, PROMPT_MASK, ["p0", "p1"], {"answer": ["34", "6"]})
+    assert exp.info["correct"] == 2 and exp.info["correct_trained"] == 1
+    assert exp.info["candidates"] == 8 and exp.info["correct_candidates"] == 2
+
+
 def test_best_of_group_an_empty_pick_leaves_its_group_untrained():
     """The pick's response is empty (only EOS): it is dropped as empty, and the group's other rows, not picked,
     are dropped too; nothing of that group is trained on."""
