@@ -291,9 +291,8 @@ class ExperienceMaker:
             empty |= empty_step
         keep = ~empty & ~idle
         # the rows trained on, and every non-empty row of their groups: the candidates a pick was made among
-        local = torch.arange(len(prompts)).repeat_interleave(n)
-        candidates = torch.zeros(len(prompts), dtype=torch.bool).index_fill_(0, local[keep], True)[local] & ~empty
-        verdicts = torch.tensor(judged if judged is not None else [0.0] * len(local))
+        candidates = keep.view(-1, n).any(dim=1).repeat_interleave(n) & ~empty
+        verdicts = torch.tensor(judged) if judged is not None else torch.zeros(len(keep))
         info |= {"correct_trained": float(verdicts[keep].sum()), "candidates": float(candidates.sum()),
                  "correct_candidates": float(verdicts[candidates].sum())}
         if not keep.any():  # keep one row with a zero action mask so the training passes still run

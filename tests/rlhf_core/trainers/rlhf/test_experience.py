@@ -83,7 +83,7 @@ PROMPT_MASK = torch.tensor([[0, 1, 1], [1, 1, 1]])
 
 
 def make(script, *, eos=EOS, pad=PAD, algorithm="ppo", n=1, penalty=None, scores=None, critic=True,
-         prompts=PROMPTS, prompt_mask=PROMPT_MASK, drop_uniform=False, advantage="normalised"):
+         prompts=PROMPTS, prompt_mask=PROMPT_MASK, drop_uniform=False, advantage="normalised", columns=None):
     actor, ref = ScriptedLM(bigram(0), script), ScriptedLM(bigram(1))
     declared = algo(algorithm, n=n, advantage=advantage)
     maker_cfg = MakerConfig(baseline=declared.baseline, samples_per_prompt=n,
@@ -100,7 +100,7 @@ def make(script, *, eos=EOS, pad=PAD, algorithm="ppo", n=1, penalty=None, scores
     n_prompts = prompts.shape[0] // n if algorithm == "grpo" else prompts.shape[0]
     rows = torch.arange(n_prompts)
     exp = maker.make(prompts[rows * n if n > 1 else rows], prompt_mask[rows * n if n > 1 else rows],
-                     [f"p{i}" for i in range(n_prompts)], {})
+                     [f"p{i}" for i in range(n_prompts)], columns or {})
     return exp, actor.table.detach(), ref.table.detach()
 
 
@@ -232,14 +232,10 @@ def test_best_of_group_counts_right_picks_and_right_candidates():
     answer 6) picks "57", wrong. Picks right 1 of 2; candidates (every row of a group with a pick) right 2 of 8."""
     script = torch.tensor([[7, EOS, PAD, PAD], [3, 4, EOS, PAD], [4, EOS, PAD, PAD], [6, EOS, PAD, PAD],
                            [5, 7, EOS, PAD], [6, EOS, PAD, PAD], [4, EOS, PAD, PAD], [3, EOS, PAD, PAD]])
-    actor = ScriptedLM(bigram(0), script)
-    declared = algo("grpo", n=4, advantage="best")
-    cfg = MakerConfig(baseline=declared.baseline, samples_per_prompt=4, gen=GenerationConfig(max_new_tokens=4),
-                      forward_batch_size=2, need_old_logp=True, need_ref=False, need_values=False,
-                      drop_unselected=True)
-    scores = torch.tensor([0.2, 0.9, 0.5, 0.9, -1.0, -3.0, -1.0, -2.0])
-    maker = ExperienceMaker(actor, None, None, lambda p, c, **_: scores, Tok(), cfg)
-    exp = maker.make(PROMPTS, PROMPT_MASK, ["p0", "p1"], {"answer": ["34", "6"]})
+    prompts, pmask = PROMPTS[[0] * 4 + [1] * 4], PROMPT_MASK[[0] * 4 + [1] * 4]
+    exp, _, _ = make(script, algorithm="grpo", n=4, scores=[0.2, 0.9, 0.5, 0.9, -1.0, -3.0, -1.0, -2.0],
+                     critic=False, prompts=prompts, prompt_mask=pmask, advantage="best",
+                     columns={"answer": ["34", "6"]})
     assert exp.info["correct"] == 2 and exp.info["correct_trained"] == 1
     assert exp.info["candidates"] == 8 and exp.info["correct_candidates"] == 2
 
