@@ -86,8 +86,10 @@ def registry_prefix(params: Params) -> str:
     return params.tracking.registry_prefix or params.project.name
 
 
-def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail fast with a clear message when an HTTP tracking server does not answer."""
+def check_reachable(uri: str, timeout_s: float = 30.0) -> None:
+    """Fail fast with a clear message when an HTTP tracking server does not answer. A refused connection fails at
+    once; ``timeout_s`` bounds only a server that accepts and stays silent, and is long enough for a busy one
+    (a 5 s bound failed a healthy server's /health on a loaded 2-core CI machine)."""
     if not uri.startswith(("http://", "https://")):
         return
     url = uri.rstrip("/") + "/health"
