@@ -192,11 +192,13 @@ def read_verdicts(path: Path) -> dict[str, Verdicts]:
 
 def judge_models(root: Path, samples: int, out: Path, models: list[str], limit: int | None = None) -> list[dict]:
     """Judge every model folder in ``models`` on ``root``'s held-out questions; append the per-question rows to
-    ``out`` and return one summary per model."""
-    from transformers import AutoModelForCausalLM
-
+    ``out`` and return one summary per model. A folder is loaded as the stages load a policy
+    (``load_causal_lm``): its manifest checked where it has one, an unmerged ``adapter/`` (an implicit-reward RM,
+    a policy saved with ``compute.lora.merge_on_save: false``) applied and merged, so the policy judged is the one
+    the folder holds, not its base weights alone."""
     from rlhf_core.config import load_params
     from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.models.loading import load_causal_lm
     from rlhf_core.ops import paths
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,7 +208,7 @@ def judge_models(root: Path, samples: int, out: Path, models: list[str], limit: 
     summaries = []
     for folder in models:
         t0 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=params.model.trust_remote_code)
+        model = load_causal_lm(folder, trust_remote_code=params.model.trust_remote_code)
         v = judge(model.to(device).eval(), tokenizer, params, questions, samples)
         with out.open("a") as fh:
             for q, (split, position, row_id) in enumerate(keys):

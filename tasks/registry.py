@@ -106,9 +106,12 @@ def _log_model(kind: str, model_dir: Path, name: str):
 
     if kind == "actor":
         # Components in memory: MLflow's path-only logging does not understand transformers 5's task table.
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        # load_causal_lm merges an adapter saved apart (merge_on_save: false): the policy, not its base weights.
+        from transformers import AutoTokenizer
 
-        components = {"model": AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True),
+        from rlhf_core.models.loading import load_causal_lm
+
+        components = {"model": load_causal_lm(model_dir),
                       "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
         card = model_dir / CARD_FILE
         model_card = None

@@ -314,3 +314,28 @@ def test_rlhf_register_killed_at_random_moments_leaves_no_partial_or_doubled_ver
     for r in rows:
         assert r["rerun_rc"] == 0 and r["incomplete_files_after_kill"] == 0, r
         assert r["one_version_each"] and r["all_complete_and_whole"] and r["challenger_on_it"], r
+
+
+def test_an_actor_saved_with_its_adapter_apart_is_registered_merged(mlflow_uri, tmp_path):
+    """``compute.lora.merge_on_save: false`` leaves the actor's LoRA in ``adapter/``: the registered model is the
+    policy with it merged, not the base weights under it."""
+    import mlflow
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tasks.registry import register_model_dir
+
+    path = tiny_actor(tmp_path / "apart", seed=6)
+    torch.manual_seed(0)
+    lora = LoraConfig(r=2, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), lora)
+    peft_model.save_pretrained(path / "adapter")
+    want = peft_model.merge_and_unload().state_dict()
+    base = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    reg = register_model_dir("actor", path, "apart-actor", {})
+    got = mlflow.transformers.load_model(f"models:/apart-actor/{reg.version}", return_type="components")["model"]
+    got = got.state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(want[name], base[name])  # the adapter moves this weight
+    assert all(torch.allclose(got[k], v) for k, v in want.items() if k in got) and name in got
