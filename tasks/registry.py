@@ -24,6 +24,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 import rlhf_core
+from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.ops.meta import dir_sha256, read_meta
 from rlhf_core.ops.model_card import CARD_FILE
 from rlhf_core.ops.serving import ScorerModel
@@ -108,8 +109,6 @@ def _log_model(kind: str, model_dir: Path, name: str):
         # Components in memory: MLflow's path-only logging does not understand transformers 5's task table.
         # load_causal_lm merges an adapter saved apart (merge_on_save: false): the policy, not its base weights.
         from transformers import AutoTokenizer
-
-        from rlhf_core.models.loading import load_causal_lm
 
         components = {"model": load_causal_lm(model_dir),
                       "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
