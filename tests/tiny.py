@@ -62,3 +62,23 @@ def tiny_lm(arch: str = "llama", attn: str = "sdpa", kv_heads: int = 2, init_std
     config._attn_implementation = attn
     torch.manual_seed(0)
     return cls(config)
+
+
+def save_with_random_adapter(model_dir, dest, r: int = 4, alpha: int = 64):
+    """``model_dir``'s causal LM saved to ``dest`` as a stage saves it with ``compute.lora.merge_on_save: false``
+    (``save_causal_lm``: base weights, LoRA apart in ``adapter/``); the adapter is random with B != 0, so it acts.
+    Returns the same policy with the adapter merged, to compare a loader against."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.models.loading import save_causal_lm
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", init_lora_weights=False)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora)
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    save_causal_lm(peft_model, dest, merge_lora=False)
+    return merged

@@ -130,13 +130,9 @@ def test_judge_agrees_with_the_stage_evaluator_and_samples_one_stream_for_every_
 def test_judge_applies_a_folders_unmerged_adapter(tmp_path, monkeypatch):
     """A folder with its LoRA adapter apart (an implicit-reward RM, ``merge_on_save: false``) is judged as the
     policy it holds: alike to the same adapter merged, unlike the base weights it sits on."""
-    import shutil
-
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     from rlhf_core.stages.prepare import prepare
     from rlhf_core.trainers.sft import train_sft
+    from tests.tiny import save_with_random_adapter
 
     monkeypatch.chdir(tmp_path)
     params = make_params(TINY_DEMO, "sft.epochs=6")
@@ -144,13 +140,8 @@ def test_judge_applies_a_folders_unmerged_adapter(tmp_path, monkeypatch):
     train_sft(params, tmp_path)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
     sft = tmp_path / "models/sft"
-    torch.manual_seed(0)
-    lora = LoraConfig(r=4, lora_alpha=64, target_modules="all-linear", init_lora_weights=False)  # B != 0: it acts
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(sft), lora)
     apart, merged = tmp_path / "apart", tmp_path / "merged"
-    shutil.copytree(sft, apart)
-    peft_model.save_pretrained(apart / "adapter")
-    peft_model.merge_and_unload().save_pretrained(merged)
+    save_with_random_adapter(sft, apart).save_pretrained(merged)
 
     judge_models(tmp_path, 2, tmp_path / "q.jsonl", [str(sft), str(apart), str(merged)])
     verdicts = read_verdicts(tmp_path / "q.jsonl")

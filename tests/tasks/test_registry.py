@@ -321,17 +321,13 @@ def test_an_actor_saved_with_its_adapter_apart_is_registered_merged(mlflow_uri, 
     policy with it merged, not the base weights under it."""
     import mlflow
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from tasks.registry import register_model_dir
+    from tests.tiny import save_with_random_adapter
 
     path = tiny_actor(tmp_path / "apart", seed=6)
-    torch.manual_seed(0)
-    lora = LoraConfig(r=2, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), lora)
-    peft_model.save_pretrained(path / "adapter")
-    want = peft_model.merge_and_unload().state_dict()
+    want = save_with_random_adapter(path, path, r=2, alpha=16).state_dict()
     base = AutoModelForCausalLM.from_pretrained(path).state_dict()
     reg = register_model_dir("actor", path, "apart-actor", {})
     got = mlflow.transformers.load_model(f"models:/apart-actor/{reg.version}", return_type="components")["model"]
