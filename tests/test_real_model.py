@@ -79,6 +79,7 @@ def test_stages_write_merged_full_models_and_the_gate_decides(project):
     rm = json.loads((project / "metrics/rm.json").read_text())  # the profile's rm.best_of_n check, on 4 prompts
     assert rm["best_of_n"]["n"] == 4 and rm["best_of_n"]["prompts"] == 4 and rm["objective"] == "dpo"
     assert rm["best_of_n_rm"] <= rm["best_of_n_oracle"] and 0.0 <= rm["best_of_n_rm_kl"] <= 1.0
+    assert 0.0 <= rm["best_of_n_rm_policy"] <= 1.0 and rm["best_of_n_rm_tilt"] > 0  # the implicit RM's policy
     rlhf = json.loads((project / "metrics/rlhf.json").read_text())  # the profile's eval.seen_prompts
     assert 0.0 <= rlhf["sft_seen_accuracy"] <= 1.0 and 0.0 <= rlhf["seen_accuracy"] <= 1.0
     assert 0.0 <= rlhf["sft_sampled_accuracy"] <= 1.0 and 0.0 <= rlhf["sampled_accuracy"] <= 1.0  # sampled_answers

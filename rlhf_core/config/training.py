@@ -95,7 +95,9 @@ class RMConfig(EpochConfig):
                                     "pass@n, the majority vote, one sample and the greedy answer, for n = 1, 2, 4, "
                                     "..., and `best_of_n_rm_gain`: the pick of the KL-regularised optimum at the RL "
                                     "stage's beta among the greedy answer and the samples, minus greedy "
-                                    "(rlhf_core/trainers/rm_selection.py). Needs prompts with answers; costs n "
+                                    "(rlhf_core/trainers/rm_selection.py). With `objective: dpo` also "
+                                    "`best_of_n_rm_policy`: the implicit reward's own policy read greedily, the "
+                                    "optimum of RL at `best_of_n_rm_tilt` k = 1. Needs prompts with answers; costs n "
                                     "rollouts and RM scores of the held-out prompts. 0: off.")
     judge: bool = Field(
         False, description="Also train a judge reward model, same settings, on the held-out pairs (`eval_pairs`, "

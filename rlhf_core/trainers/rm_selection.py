@@ -15,6 +15,16 @@ implicit reward or the ensemble) scores every answer; ``eval.checker`` judges. `
   plus its KL coefficient times the policy's log-probability), ``best_of_n_rm_gain`` (rm_kl - greedy: at or below
   0, RL at these settings has no better mode to move to among these answers) and ``best_of_n_pairwise``.
 
+An implicit reward (``rm.objective: dpo``, ``r = beta_rm * log(pi_rm / pi_ref)``) also holds a policy, and
+KL-regularised RL on ``w * r`` (``w``: its weight in ``rlhf.reward_fns``) aims at
+
+    pi* ∝ pi_ref * (pi_rm / pi_ref)^k,      k = w * beta_rm / (sigma * beta)
+
+(``docs/training.md``, "Which policy RL from it aims at"). So the check also reads that policy, ``pi_rm`` (the RM
+folder, adapter merged), greedily on the same prompts: ``best_of_n_rm_policy`` (its accuracy),
+``best_of_n_rm_policy_gain`` (minus greedy: what RL at ``k = 1`` aims to add) and ``best_of_n_rm_tilt`` (``k`` at
+the RL stage's settings; 0 where ``rm`` is not a reward, left out without a KL term).
+
 Prompts without answers have nothing to judge: the check is skipped, with a warning and ``best_of_n: null``.
 """
 
@@ -31,6 +41,7 @@ from rlhf_core.config import Params
 from rlhf_core.data.collate import left_pad_prompts
 from rlhf_core.data.tokenizer import load_tokenizer
 from rlhf_core.models import load_causal_lm
+from rlhf_core.models.implicit_reward import is_implicit, read_beta
 from rlhf_core.models.scorer import load_scorer
 from rlhf_core.ops import paths
 from rlhf_core.passes.generation import GenerationConfig, rollout
@@ -73,6 +84,35 @@ def kl_terms(params: Params, scores: torch.Tensor) -> tuple[float, float]:
     return cfg.kl_coef, 1.0
 
 
+def implicit_tilt(weight: float, rm_beta: float, sigma: float, beta: float) -> float | None:
+    """``k = w * beta_rm / (sigma * beta)``: the power of ``pi_rm / pi_ref`` in the RL stage's KL optimum; None
+    without a KL term or with scores all alike (``sigma * beta = 0``: RL maximises the reward, no finite k)."""
+    return weight * rm_beta / (sigma * beta) if sigma * beta > 0 else None
+
+
+def greedy_accuracy(model, tokenizer, held, params: Params) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """``model``'s greedy answers to the held-out prompts (as the RL stage measures its start), ``[P, 1]`` their
+    log-probabilities and ``[P]`` the checker's verdicts."""
+    texts, logp = sample_answers(model, tokenizer, held, 1, GenerationConfig(
+        params.eval.max_new_tokens, params.rlhf.temperature, do_sample=False), params.eval.batch_size)
+    check = get_checker(params.eval.checker)
+    correct = torch.tensor([check(row[0], a) for row, a in zip(texts, held.answers, strict=True)])
+    return [row[0] for row in texts], logp, correct
+
+
+def implicit_policy(params: Params, root: Path, tokenizer, held, greedy: float, sigma: float, beta: float,
+                    device: torch.device) -> dict:
+    """The implicit reward's own policy read greedily (the module's last paragraph); ``{}`` for a score head."""
+    rm_dir = root / paths.RM_MODEL
+    if not is_implicit(rm_dir):
+        return {}
+    model = load_causal_lm(rm_dir).to(device).eval()
+    accuracy = float(greedy_accuracy(model, tokenizer, held, params)[2].double().mean())
+    tilt = implicit_tilt(params.rlhf.reward_fns.get("rm", 0.0), read_beta(rm_dir), sigma, beta)
+    return {"best_of_n_rm_policy": accuracy, "best_of_n_rm_policy_gain": accuracy - greedy,
+            **({"best_of_n_rm_tilt": tilt} if tilt is not None else {})}
+
+
 def best_of_n_check(params: Params, root: Path) -> dict:
     """The module's metrics for the RM saved under ``root``. Under several ranks each runs it whole (the same seed,
     the same answers; no collective)."""
@@ -86,17 +126,14 @@ def best_of_n_check(params: Params, root: Path) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = load_causal_lm(policy).to(device).eval()
     per_batch = params.eval.batch_size
-    greedy, greedy_logp = sample_answers(model, tokenizer, held, 1, GenerationConfig(
-        params.eval.max_new_tokens, cfg.temperature, do_sample=False), per_batch)
+    greedy, greedy_logp, greedy_correct = greedy_accuracy(model, tokenizer, held, params)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(params.project.seed)
         texts, logp = sample_answers(model, tokenizer, held, n, GenerationConfig(
             cfg.max_new_tokens, cfg.temperature, cfg.top_p, True), max(1, per_batch // n))
     del model
-    greedy = [row[0] for row in greedy]
     check, answer_of = get_checker(params.eval.checker), ANSWER_OF[params.eval.checker]
     correct = torch.tensor([[check(t, a) for t in row] for row, a in zip(texts, held.answers, strict=True)])
-    greedy_correct = torch.tensor([check(t, a) for t, a in zip(greedy, held.answers, strict=True)])
     scorer = load_scorer(root / paths.RM_MODEL, device=device, batch_size=per_batch)
     scores = scorer.score_responses([p for p in held.prompts for _ in range(n + 1)],
                                     [t for g, row in zip(greedy, texts, strict=True) for t in (g, *row)])
@@ -107,8 +144,12 @@ def best_of_n_check(params: Params, root: Path) -> dict:
     beta, sigma = kl_terms(params, scores[:, 1:])
     value = scores / sigma + beta * torch.cat([greedy_logp, logp], dim=1)
     kl_pick = keep_default(greedy_correct, value[:, 0], correct, value[:, 1:])
+    del scorer
+    rm_policy = implicit_policy(params, root, tokenizer, held, accuracy, sigma, beta, device)
     return {"best_of_n": {"n": n, "prompts": len(texts), "greedy": accuracy, "rm_over_greedy": over_greedy,
-                          "rm_kl": kl_pick, "kl_beta": beta, "reward_scale": sigma, **table},
+                          "rm_kl": kl_pick, "kl_beta": beta, "reward_scale": sigma, **table,
+                          **{k.removeprefix("best_of_n_"): v for k, v in rm_policy.items()}},
+            **rm_policy,
             "best_of_n_rm": at_n["reward"], "best_of_n_oracle": at_n["oracle"],
             "best_of_n_majority": at_n["majority"], "best_of_n_sampled": table["sampled"],
             "best_of_n_greedy": accuracy, "best_of_n_rm_over_greedy": over_greedy, "best_of_n_rm_kl": kl_pick,

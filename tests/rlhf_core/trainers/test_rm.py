@@ -88,6 +88,7 @@ def test_rm_reaches_high_heldout_accuracy_and_scores_texts(ws):
     assert m["best_of_n_rm_kl"] >= m["best_of_n_greedy"]
     assert m["best_of_n_rm_gain"] == pytest.approx(m["best_of_n_rm_kl"] - m["best_of_n_greedy"])
     assert json.loads((ws / "metrics" / "rm.json").read_text())["best_of_n_rm"] == m["best_of_n_rm"]
+    assert "best_of_n_rm_policy" not in m and "rm_tilt" not in table  # a score head holds no policy
 
 
 def test_best_of_n_without_answers_is_skipped_with_a_warning(ws, caplog):
@@ -394,7 +395,8 @@ def test_rm_dpo_objective_learns_an_implicit_reward_that_rl_and_evaluation_read(
     # 20 epochs: at 12 the held-out accuracy of this seed swung 0.73-0.94 with float rounding alone (the pair
     # layout's scores against the full rows'); at 20 both land at 0.93-0.96
     p = tiny_params("rm.objective=dpo", "rm.beta=0.1", "compute.lora.enabled=true", "compute.lora.r=8",
-                    "rm.epochs=20", "rm.lr=0.005")
+                    "rm.epochs=20", "rm.lr=0.005", "rm.best_of_n=2", "rlhf.reward_fns={rm: 1.0}",
+                    "rlhf.algorithm=grpo", "rlhf.grpo.scale=none", "rlhf.grpo.beta=0.05")
     m = train_rm(p, ws)
     assert m["accuracy_before"] == 0.0 and m["chosen_mean_before"] == 0.0 and m["objective"] == "dpo"
     assert m["accuracy"] >= 0.8 and m["chosen_mean"] > m["rejected_mean"], m
@@ -416,6 +418,23 @@ def test_rm_dpo_objective_learns_an_implicit_reward_that_rl_and_evaluation_read(
     with pytest.raises(ValueError, match="pass prompt and response columns"):
         scorer.score(["a whole text"])
 
+    # rm.best_of_n reads the implicit reward's own policy (the adapter merged) greedily beside SFT's greedy answers
+    from rlhf_core.data.tokenizer import load_tokenizer
+    from rlhf_core.models import load_causal_lm
+    from rlhf_core.trainers.rlhf.inputs import load_prompts
+    from rlhf_core.trainers.rm_selection import greedy_accuracy
+
+    tokenizer = load_tokenizer(out)
+    held = load_prompts(p, ws, tokenizer).heldout
+    rm_right = greedy_accuracy(load_causal_lm(out).eval(), tokenizer, held, p)[2]
+    sft_right = greedy_accuracy(load_causal_lm(ws / "models" / "sft").eval(), tokenizer, held, p)[2]
+    assert not torch.equal(rm_right, sft_right)  # this RM's policy answers otherwise: the check tells them apart
+    assert m["best_of_n_rm_policy"] == pytest.approx(float(rm_right.double().mean()))
+    assert m["best_of_n_greedy"] == pytest.approx(float(sft_right.double().mean()))
+    assert m["best_of_n_rm_policy_gain"] == pytest.approx(m["best_of_n_rm_policy"] - m["best_of_n_greedy"])
+    assert m["best_of_n_rm_tilt"] == pytest.approx(2.0)  # k = w beta_rm / (sigma beta) = 1 * 0.1 / (1 * 0.05)
+    assert m["best_of_n"]["rm_tilt"] == m["best_of_n_rm_tilt"]
+
     from rlhf_core.models import ValueHeadModel
     from rlhf_core.trainers.rlhf.models import load_critic
 
@@ -424,6 +443,16 @@ def test_rm_dpo_objective_learns_an_implicit_reward_that_rl_and_evaluation_read(
     sft = ValueHeadModel.from_pretrained(ws / "models" / "sft")
     embeddings = [m.backbone.get_input_embeddings().weight for m in (critic, sft)]
     torch.testing.assert_close(*embeddings)  # the reference's backbone (the adapter off), a fresh head
+
+
+def test_implicit_tilt_is_the_power_of_the_rm_policy_in_the_kl_optimum():
+    """SmolLM2's profile: weight 1, rm.beta 0.1, batch std 0.74, grpo.beta 0.04 -> k = 0.1 / 0.0296 = 3.378."""
+    from rlhf_core.trainers.rm_selection import implicit_tilt
+
+    assert implicit_tilt(1.0, 0.1, 0.74, 0.04) == pytest.approx(3.3784, abs=1e-4)
+    assert implicit_tilt(0.5, 0.1, 1.0, 0.1) == pytest.approx(0.5)
+    assert implicit_tilt(0.0, 0.1, 1.0, 0.1) == 0.0  # the RM not a reward: RL does not aim at its policy
+    assert implicit_tilt(1.0, 0.1, 1.0, 0.0) is None and implicit_tilt(1.0, 0.1, 0.0, 0.04) is None  # no finite k
 
 
 def test_rm_dpo_objective_without_lora_names_the_keys(ws):
