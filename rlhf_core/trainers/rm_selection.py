@@ -90,7 +90,7 @@ def implicit_tilt(weight: float, rm_beta: float, sigma: float, beta: float) -> f
     return weight * rm_beta / (sigma * beta) if sigma * beta > 0 else None
 
 
-def greedy_accuracy(model, tokenizer, held, params: Params) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+def greedy_answers(model, tokenizer, held, params: Params) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """``model``'s greedy answers to the held-out prompts (as the RL stage measures its start), ``[P, 1]`` their
     log-probabilities and ``[P]`` the checker's verdicts."""
     texts, logp = sample_answers(model, tokenizer, held, 1, GenerationConfig(
@@ -107,7 +107,7 @@ def implicit_policy(params: Params, root: Path, tokenizer, held, greedy: float, 
     if not is_implicit(rm_dir):
         return {}
     model = load_causal_lm(rm_dir).to(device).eval()
-    accuracy = float(greedy_accuracy(model, tokenizer, held, params)[2].double().mean())
+    accuracy = float(greedy_answers(model, tokenizer, held, params)[2].double().mean())
     tilt = implicit_tilt(params.rlhf.reward_fns.get("rm", 0.0), read_beta(rm_dir), sigma, beta)
     return {"best_of_n_rm_policy": accuracy, "best_of_n_rm_policy_gain": accuracy - greedy,
             **({"best_of_n_rm_tilt": tilt} if tilt is not None else {})}
@@ -126,7 +126,7 @@ def best_of_n_check(params: Params, root: Path) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = load_causal_lm(policy).to(device).eval()
     per_batch = params.eval.batch_size
-    greedy, greedy_logp, greedy_correct = greedy_accuracy(model, tokenizer, held, params)
+    greedy, greedy_logp, greedy_correct = greedy_answers(model, tokenizer, held, params)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(params.project.seed)
         texts, logp = sample_answers(model, tokenizer, held, n, GenerationConfig(

@@ -422,12 +422,12 @@ def test_rm_dpo_objective_learns_an_implicit_reward_that_rl_and_evaluation_read(
     from rlhf_core.data.tokenizer import load_tokenizer
     from rlhf_core.models import load_causal_lm
     from rlhf_core.trainers.rlhf.inputs import load_prompts
-    from rlhf_core.trainers.rm_selection import greedy_accuracy
+    from rlhf_core.trainers.rm_selection import greedy_answers
 
     tokenizer = load_tokenizer(out)
     held = load_prompts(p, ws, tokenizer).heldout
-    rm_right = greedy_accuracy(load_causal_lm(out).eval(), tokenizer, held, p)[2]
-    sft_right = greedy_accuracy(load_causal_lm(ws / "models" / "sft").eval(), tokenizer, held, p)[2]
+    rm_right = greedy_answers(load_causal_lm(out).eval(), tokenizer, held, p)[2]
+    sft_right = greedy_answers(load_causal_lm(ws / "models" / "sft").eval(), tokenizer, held, p)[2]
     assert not torch.equal(rm_right, sft_right)  # this RM's policy answers otherwise: the check tells them apart
     assert m["best_of_n_rm_policy"] == pytest.approx(float(rm_right.double().mean()))
     assert m["best_of_n_greedy"] == pytest.approx(float(sft_right.double().mean()))
