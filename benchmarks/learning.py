@@ -15,7 +15,9 @@ run, appended as runs finish, with the RM and SFT builds, the params digest and 
 the summary table to stdout. ``--judge K`` also judges every run's actor and the SFT start on every held-out
 question, greedy and ``K`` sampled answers each (``benchmarks.heldout``), and adds the gains over SFT paired
 over the questions (``heldout_*`` keys; the SFT start's verdicts in ``OUT/heldout-sft.jsonl``). A run that
-finished before it was judged is not judged by a re-run: give the re-run another ``--out``.
+finished before it was judged is not judged by a re-run: give the re-run another ``--out``. A finished run's
+resumable state (its ``checkpoints/``, some 570 MB per SmolLM2 run) is removed once its row is written, since a
+re-run skips that pair; ``--keep-checkpoints`` keeps it, and a failed run always keeps it to resume from.
 
     python -m benchmarks.learning --workspace W --seeds 1,2,3,4 --out runs \\
         ours_grpo=rlhf.algorithm=grpo trl
@@ -28,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -175,7 +178,7 @@ def _judged(run_dir: Path, samples: int, threads: int, sft_judged: Future) -> di
 
 
 def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, extra: tuple[str, ...],
-            judge_samples: int | None = None, sft_judged: Future | None = None) -> dict:
+            judge_samples: int | None = None, sft_judged: Future | None = None, keep_checkpoints: bool = False) -> dict:
     run_dir = out / f"{variant.name}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     link_workspace(base, run_dir)
@@ -197,6 +200,8 @@ def run_one(base: Path, out: Path, variant: Variant, seed: int, threads: int, ex
         row |= {k: m.get(k) for k in REPORTED}
         if judge_samples is not None:
             row |= judged(run_dir, judge_samples, threads, sft_judged)
+        if not keep_checkpoints:
+            shutil.rmtree(run_dir / paths.CHECKPOINTS, ignore_errors=True)
     return row
 
 
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--judge", type=int, default=None, metavar="K",
                     help="judge every actor and the SFT start on every held-out question, greedy and K sampled "
                          "answers each, paired over the questions (benchmarks.heldout)")
+    ap.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep a finished run's checkpoints/ (removed by default: a re-run skips finished pairs)")
     a = ap.parse_args(argv)
     variants = [Variant.parse(v) for v in a.variants]
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -312,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     shared = provenance(base, extra)  # one workspace: hashed once, named on every row
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
         sft_judged = pool.submit(judge_sft, base, out, a.judge, a.threads) if a.judge is not None and todo else None
-        futures = [pool.submit(run_one, base, out, v, s, a.threads, extra, a.judge, sft_judged) for v, s in todo]
+        futures = [pool.submit(run_one, base, out, v, s, a.threads, extra, a.judge, sft_judged, a.keep_checkpoints)
+                   for v, s in todo]
         for fut in futures:
             row = fut.result() | shared
             with open(results, "a") as fh:

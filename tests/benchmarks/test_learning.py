@@ -120,11 +120,18 @@ def test_ours_and_trl_side_by_side_from_one_workspace(tmp_path, monkeypatch):
                   for d in (out / "trl-s1/models/actor", base / "models/sft"))
     assert (out / "trl-s1/models/actor/tokenizer_config.json").exists() and saved.keys() == sft.keys()
     assert not all(torch.equal(saved[k], sft[k]) for k in sft)  # the trained weights, not SFT's
+    assert (out / "ours-s1/models/actor").is_dir() and not (out / "ours-s1/checkpoints").exists()  # finished: freed
+    kept = out / "trl_ptx-s1/checkpoints/rlhf/marker"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("a failed run's state to resume from")
     main(["--workspace", str(base), "--out", str(out), "--seeds", "1", "ours=rlhf.algorithm=grpo", "trl",
-          "trl_ptx=rlhf.ptx_coef=0.5,rlhf.grpo.drop_uniform_groups=true"])
+          "trl_ptx=rlhf.ptx_coef=0.5,rlhf.grpo.drop_uniform_groups=true", "kept=rlhf.algorithm=grpo",
+          "--keep-checkpoints"])
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert len(lines) == 3  # finished pairs are not re-run; the new variant runs
+    assert len(lines) == 4  # finished pairs are not re-run; the new variants run
     assert lines[2]["variant"] == "trl_ptx" and lines[2]["rc"] != 0  # not like for like: refused
+    assert kept.exists()  # a failed run keeps its checkpoints
+    assert lines[3]["variant"] == "kept" and lines[3]["rc"] == 0 and (out / "kept-s1/checkpoints/rlhf").is_dir()
     refusal = "no equivalent of: rlhf.ptx_coef, rlhf.grpo.drop_uniform_groups"
     assert refusal in (out / "trl_ptx-s1" / "run.log").read_text()
 
