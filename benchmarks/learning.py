@@ -16,8 +16,9 @@ the summary table to stdout. ``--judge K`` also judges every run's actor and the
 question, greedy and ``K`` sampled answers each (``benchmarks.heldout``), and adds the gains over SFT paired
 over the questions (``heldout_*`` keys; the SFT start's verdicts in ``OUT/heldout-sft.jsonl``). A run that
 finished before it was judged is not judged by a re-run: give the re-run another ``--out``. A finished run's
-resumable state (its ``checkpoints/``, some 570 MB per SmolLM2 run) is removed once its row is written, since a
-re-run skips that pair; ``--keep-checkpoints`` keeps it, and a failed run always keeps it to resume from.
+resumable state (its ``checkpoints/``, some 570 MB per SmolLM2 run) is removed as soon as it has finished (and been
+judged), since a re-run skips that pair; ``--keep-checkpoints`` keeps it, and a failed run always keeps it to resume
+from.
 
     python -m benchmarks.learning --workspace W --seeds 1,2,3,4 --out runs \\
         ours_grpo=rlhf.algorithm=grpo trl
