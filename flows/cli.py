@@ -20,7 +20,7 @@ from rich.table import Table
 
 from benchmarks.cli import bench_app
 from flows.local_pipeline import EarlyAPI, embedded_environment, ensure_dvc
-from rlhf_core.cli import SET_HELP, app, console, exit_lightly, fail
+from rlhf_core.cli import SET_HELP, app, console, exit_lightly, fail, fail_config
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 from rlhf_core.ops.tracking import importable
 
@@ -33,7 +33,7 @@ def _prepare_environment(params_file: Path):
     try:
         params = load_params(params_file)
     except ConfigError as err:
-        fail(str(err))
+        fail_config(err)
     embedded_environment(Path("."), params.project.workspace)
     return params
 
@@ -66,7 +66,8 @@ def print_summary(summary: dict) -> None:
     if gate is not None:
         failing = [f"{c['name']}={c['value']}" for c in gate["checks"] if not c["passed"]]
         verdict = "[green]PASSED[/green]" if gate["passed"] else f"[red]FAILED[/red] ({', '.join(failing)})"
-        console.print(f"gate: {verdict}; promoted: {summary['promoted']}; champion: v{summary.get('champion')}")
+        console.print(f"gate: {verdict}; judge: {gate.get('judge') or 'none'}; promoted: {summary['promoted']}; "
+                      f"champion: v{summary.get('champion')}", highlight=False)
         for c in gate["checks"]:
             if not c["passed"] and c.get("note"):
                 console.print(f"  {c['name']}: {c['note']}", highlight=False)
@@ -98,7 +99,7 @@ def run_cmd(
     if rounds and stages:
         fail("--rounds runs every stage of each round; it takes no --stage")
     if params_file != DEFAULT_PARAMS and not Path(params_file).is_file():  # no params.yaml: every default
-        fail(f"params file {params_file} not found")
+        fail(f"params file {params_file} not found", code=65)
     params = _prepare_environment(Path(params_file))
     from rlhf_core.ops.tracking import TrackingUnavailable, check_reachable, tracking_uri
 

@@ -216,8 +216,9 @@ def _pipeline(stages: list[str] | None, overrides: list[str] | None, backend: st
             mlflow.log_dict(gate, "gate.json")
             current = alias_version(actor["name"], CHAMPION)
             if promote and gate["passed"] and current != actor["version"]:
-                promote_task(actor["name"], actor["version"], reason="passed evaluation gate")
-                emit_promoted_event(actor["name"], actor["version"], current, "passed evaluation gate")
+                reason = f"passed evaluation gate (judge: {gate.get('judge') or 'none'})"
+                promote_task(actor["name"], actor["version"], reason=reason)
+                emit_promoted_event(actor["name"], actor["version"], current, reason)
                 summary["promoted"] = True
             elif gate["passed"] and current == actor["version"]:
                 logger.info("%s v%s is already the champion", actor["name"], actor["version"])

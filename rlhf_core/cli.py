@@ -20,7 +20,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
+from rlhf_core.config import DEFAULT_PARAMS, ConfigError, ParamsFileMissing, load_params
 from rlhf_core.ops.dvc_remote import REMOTE_ENV
 from rlhf_core.ops.launch import LAUNCH_ENV, record_stopped, relaunch_command
 from rlhf_core.stages import CHECKPOINTED_STAGES, IDLE, STAGES, exit_codes
@@ -37,6 +37,11 @@ SET_HELP = "Override a param, e.g. -S data.max_prompt_len=128 (repeatable; value
 def fail(message: str, code: int = exit_codes.BAD_CONFIG) -> None:
     console.print(f"[red]error:[/red] {escape(message)}", highlight=False)  # a message's [..] is text, not markup
     raise typer.Exit(code)
+
+
+def fail_config(err: ConfigError) -> None:
+    """Exit on a params problem: 65 for a params file that is not there (a missing input), else 2."""
+    fail(str(err), code=exit_codes.BAD_INPUT if isinstance(err, ParamsFileMissing) else exit_codes.BAD_CONFIG)
 
 
 def resolve_stage(name: str):
@@ -80,7 +85,7 @@ def stage_cmd(
     try:
         params = load_params(params_file, set_)
     except ConfigError as err:
-        fail(str(err))
+        fail_config(err)
     from rlhf_core.data.readers import DataError
     from rlhf_core.engine import stop
     from rlhf_core.ops import tracking
@@ -130,7 +135,7 @@ def params_check(
     try:
         params = load_params(params_file, set_)
     except ConfigError as err:
-        fail(str(err))
+        fail_config(err)
     sys.stdout.write(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
 
 

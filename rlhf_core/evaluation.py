@@ -94,7 +94,7 @@ def step_judge(params):
 
 def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=None, temperature: float = 0.0,
                  synced_gpus: bool = False, step_judge=None) -> dict[str, float]:
-    """``accuracy`` (the checker on ``data.answers``; 0 without answers), ``eos_share``, ``response_length``,
+    """``accuracy`` (the checker on ``data.answers``; absent without answers), ``eos_share``, ``response_length``,
     with a ``reward`` the mean ``proxy_reward``, with a ``ref`` the exact ``kl_to_reference``, with a
     ``step_judge(completion, prompt) -> [0, 1]`` its mean ``step_accuracy``; ``ev`` gives ``max_new_tokens`` and
     ``batch_size``. Reduced over ranks."""
@@ -121,7 +121,9 @@ def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=N
                              (proxy * w).sum(), w.sum(), (steps * w).sum()])
     sums = D.all_reduce_sum(sums)
     n = float(sums[5].clamp(min=1))
-    out = {"accuracy": float(sums[0]) / n, "eos_share": float(sums[1]) / n, "response_length": float(sums[2]) / n}
+    out = {"eos_share": float(sums[1]) / n, "response_length": float(sums[2]) / n}
+    if data.answers is not None:  # no checker answers: no accuracy (a 0 would read as a measured one)
+        out["accuracy"] = float(sums[0]) / n
     if reward is not None:
         out["proxy_reward"] = float(sums[4]) / n
     if ref is not None:
@@ -133,6 +135,6 @@ def heldout_eval(model, tokenizer, data: HeldOut, ev, device, ref=None, reward=N
 
 def hacking_suspected(before: dict, after: dict) -> bool | None:
     """The proxy (training reward) rose on the held-out answers while the judge's accuracy fell."""
-    if not before or not after:
+    if not before or not after or "accuracy" not in after:
         return None
     return after["proxy_reward"] > before["proxy_reward"] and after["accuracy"] < before["accuracy"]

@@ -73,10 +73,38 @@ def locate(name: str) -> ModelSource:
     if path.exists() or name.startswith((".", "/")) or name.count("/") > 1:
         raise ModelSourceError(f"model.name_or_path {name}: not a .gguf file, a model folder, a {PKG_PREFIX}package "
                                "or a Hub id (org/name)")
+    if "/" in name and Path(path.parts[0]).is_dir():  # `models/mine`: a folder here, meant as a path
+        raise ModelSourceError(f"model.name_or_path {name}: no such model folder (under {Path.cwd()})")
     return ModelSource(name, name, None, "hub")
+
+
+def check_hub(source: ModelSource, timeout: float = 5.0) -> None:
+    """Fail fast, in one line, where a Hub id cannot be loaded: not in the local Hugging Face cache and the Hub
+    offline (``HF_HUB_OFFLINE``) or unreachable, or no such repository. Without it ``from_pretrained`` retries
+    for most of a minute and ends in a long traceback. A no-op for local sources."""
+    if source.kind != "hub":
+        return
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(source.folder, "config.json"), str):
+        return
+    where = f"model.name_or_path {source.name}: no local folder or file of that name"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ModelSourceError(f"{where}, and not in the Hugging Face cache while HF_HUB_OFFLINE is set")
+    try:
+        huggingface_hub.HfApi().model_info(source.folder, timeout=timeout)
+    except GatedRepoError:
+        raise ModelSourceError(f"{where}; the Hub repository is gated: accept its terms and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ModelSourceError(f"{where}, and no such Hub repository (or it is private: set HF_TOKEN)") from None
+    except Exception as err:  # DNS, connection, timeout: the Hub cannot be reached from here
+        raise ModelSourceError(f"{where}, and the Hub cannot be reached ({type(err).__name__}: {err}); "
+                               "download it first or name a local folder") from None
 
 
 def load_source_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    check_hub(source)
     return AutoTokenizer.from_pretrained(source.folder, trust_remote_code=trust_remote_code, **source.kwargs())

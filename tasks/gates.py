@@ -25,17 +25,21 @@ class GateCheck:
     note: str = ""
 
 
+UNJUDGED = "none (gates.allow_unjudged)"  # GateResult.judge of a decision taken without a judge, by the params' leave
+
+
 @dataclass
 class GateResult:
     passed: bool
     checks: list[GateCheck] = field(default_factory=list)
+    judge: str | None = None  # what decided on the judge gate: the report's judge_source, UNJUDGED, or None
 
     @property
     def failing(self) -> list[GateCheck]:
         return [c for c in self.checks if not c.passed]
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "checks": [asdict(c) for c in self.checks]}
+        return {"passed": self.passed, "judge": self.judge, "checks": [asdict(c) for c in self.checks]}
 
 
 def _numbers(d, prefix=""):
@@ -46,12 +50,18 @@ def _numbers(d, prefix=""):
         yield prefix.rstrip("."), float(d)
 
 
-def judge_check(report: dict, proxy_gain: float, min_gain: float) -> GateCheck:
-    """The judge must improve on the reference by ``min_gain`` whatever the proxy says (reward hacking check)."""
+def judge_check(report: dict, proxy_gain: float, min_gain: float, allow_unjudged: bool = False) -> GateCheck:
+    """The judge must improve on the reference by ``min_gain`` whatever the proxy says (reward hacking check).
+    Without a judge the check fails, unless ``allow_unjudged`` (``gates.allow_unjudged``) says to pass it."""
     judge = report.get("judge_gain_vs_reference")
     if judge is None:
-        return GateCheck("judge_gain_vs_reference", None, min_gain, ">=", True,
-                         "no judge (eval.judge): reward hacking cannot be detected")
+        if allow_unjudged:
+            return GateCheck("judge_gain_vs_reference", None, min_gain, ">=", True,
+                             "no judge: passed unjudged because gates.allow_unjudged is true; reward hacking "
+                             "cannot be detected")
+        return GateCheck("judge_gain_vs_reference", None, min_gain, ">=", False,
+                         "no judge scored the candidate (no checker answers, no eval.judge_model, no rm.judge): "
+                         "nothing is promoted unjudged unless gates.allow_unjudged is true")
     passed = judge >= min_gain
     note = f"judge: {report.get('judge_source', '?')}"
     if not passed and proxy_gain > 0:
@@ -79,7 +89,7 @@ def decide(report: dict, gates: GatesConfig) -> GateResult:
     gain = cand["reward_mean"] - ref["reward_mean"]
     checks.append(GateCheck("reward_gain_vs_reference", gain, gates.min_reward_gain, ">=",
                             gain >= gates.min_reward_gain, "proxy: the training reward"))
-    checks.append(judge_check(report, gain, gates.min_judge_gain))
+    checks.append(judge_check(report, gain, gates.min_judge_gain, gates.allow_unjudged))
     win = report.get("win_rate_vs_champion")
     if win is None:
         checks.append(GateCheck("win_rate_vs_champion", None, gates.min_win_rate_vs_champion, ">=", True,
@@ -95,7 +105,8 @@ def decide(report: dict, gates: GatesConfig) -> GateResult:
         checks.append(GateCheck("accuracy", None, gates.min_accuracy, ">=", True, "task has no checker"))
     else:
         checks.append(GateCheck("accuracy", acc, gates.min_accuracy, ">=", acc >= gates.min_accuracy))
-    return GateResult(passed=all(c.passed for c in checks), checks=checks)
+    judge = report.get("judge_source") or (UNJUDGED if gates.allow_unjudged else None)
+    return GateResult(passed=all(c.passed for c in checks), checks=checks, judge=judge)
 
 
 def failing_reasons(gate: dict) -> list[str]:

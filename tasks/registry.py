@@ -230,9 +230,11 @@ def rollback(name: str, reason: str = "manual rollback") -> tuple[str, str]:
 
 
 def record_gate(name: str, version: str, gate: dict) -> None:
-    """Tag a version with the gate outcome and, when it failed, the failing gates and their values."""
+    """Tag a version with the gate outcome, the judge that decided it (``rlhf.gate.judge``: the report's judge, or
+    ``none (gates.allow_unjudged)``, or ``none``) and, when it failed, the failing gates and their values."""
     client = _client()
     client.set_model_version_tag(name, version, "rlhf.gate", "passed" if gate["passed"] else "failed")
+    client.set_model_version_tag(name, version, "rlhf.gate.judge", gate.get("judge") or "none")
     failing = failing_reasons(gate)
     if failing:
         client.set_model_version_tag(name, version, "rlhf.gate.failing", "; ".join(failing))

@@ -17,7 +17,7 @@ The sections, one module each (import them from here, ``rlhf_core.config``):
 - ``loading``: ``load_params``, ``validate``, ``-S`` overrides; ``base``: ``ConfigError``, the section base class.
 """
 
-from rlhf_core.config.base import ConfigError
+from rlhf_core.config.base import ConfigError, ParamsFileMissing
 from rlhf_core.config.data import (
     ArithmeticDataConfig,
     ColumnMap,
@@ -40,6 +40,7 @@ __all__ = [
     "ColumnMap",
     "ComputeConfig",
     "ConfigError",
+    "ParamsFileMissing",
     "DataConfig",
     "DemoDataConfig",
     "EpochConfig",

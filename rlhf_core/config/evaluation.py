@@ -51,6 +51,11 @@ class GatesConfig(Section):
         0.01, description="Candidate judge score (`eval.judge`: checker accuracy or judge-RM reward) minus the "
                           "reference's. Below it the gate fails whatever the proxy says: reward hacking is a proxy "
                           "that rises while the judge does not.")
+    allow_unjudged: bool = Field(
+        False, description="Promote a candidate that no judge scored (no checker answers, no `eval.judge_model`, no "
+                           "`rm.judge`) on the proxy and the other gates alone. Off: such a candidate is registered "
+                           "and refused, since reward hacking cannot be detected without a judge. On: the console "
+                           "summary and the model version's `rlhf.gate.judge` tag say it was promoted unjudged.")
     min_win_rate_vs_champion: float = Field(0.5, ge=0.0, le=1.0)
     max_kl: float = Field(5.0, gt=0.0)
     min_accuracy: float = Field(0.0, ge=0.0, le=1.0)

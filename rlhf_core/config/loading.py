@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rlhf_core.config.base import ConfigError
+from rlhf_core.config.base import ConfigError, ParamsFileMissing
 from rlhf_core.config.params import Params
 
 DEFAULT_PARAMS = "params.yaml"
@@ -59,9 +59,13 @@ def validate(raw: dict, origin: str = "<params>") -> Params:
 
 
 def load_params(path: str | Path = DEFAULT_PARAMS, overrides: list[str] | None = None) -> Params:
-    """Read ``path`` (missing file = all defaults), apply ``-S`` overrides, validate."""
+    """Read ``path``, apply ``-S`` overrides, validate. A missing ``params.yaml`` (the default name) means every
+    default; any other missing file is :class:`ParamsFileMissing`, naming it (a mistyped ``-p`` never runs the
+    defaults)."""
     path = Path(path)
     raw: dict = {}
+    if not path.exists() and path.name != DEFAULT_PARAMS:
+        raise ParamsFileMissing(f"params file {path} not found")
     if path.exists():
         try:
             raw = yaml.safe_load(path.read_text()) or {}

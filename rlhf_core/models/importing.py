@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.model_source import ModelSource, ModelSourceError, locate
+from rlhf_core.model_source import ModelSource, ModelSourceError, check_hub, locate
 
 
 def load_source_model(source: ModelSource, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -56,6 +56,7 @@ def import_base_model(name: str, directory: str | Path, tokenizer,
     """Write the model at ``name`` into ``directory`` (``save_pretrained``, safetensors) with ``tokenizer``'s
     special ids in its configs; returns the model as saved and what the import found, for ``rlhf_meta.json``."""
     source = locate(name)
+    check_hub(source)
     model = load_source_model(source, trust_remote_code)
     for cfg in (model.config, model.generation_config):
         cfg.pad_token_id = tokenizer.pad_token_id

@@ -119,6 +119,8 @@ def test_runs_metrics_versions_aliases_lineage(pipeline):
     assert client.get_model_version_by_alias("rlhf-demo-actor", "challenger").version == "1"
     assert client.get_model_version_by_alias("rlhf-demo-reward", "challenger").version == "1"
     assert actor.tags["rlhf.gate"] == "passed" and actor.tags["rlhf.previous_champion"] == "none"
+    assert actor.tags["rlhf.gate.judge"] == "checker"
+    assert actor.tags["rlhf.promotion_reason"] == "passed evaluation gate (judge: checker)"
     assert actor.tags["rlhf.input.sft"] and actor.tags["rlhf.dvc.data_prepared"]
     assert actor.tags["rlhf.pipeline_run_id"] == parents[0].info.run_id
     # "which run made this version" is one click: each model is logged in the stage run that trained it

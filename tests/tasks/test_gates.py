@@ -13,6 +13,7 @@ def report(**over):
         "reference": {"reward_mean": 0.5, "accuracy": 0.6, "kl_to_reference": 0.0, "response_length": 3.1,
                       "eos_share": 0.9},
         "champion": None, "win_rate_vs_reference": 0.62, "win_rate_vs_champion": None, "n_prompts": 50,
+        "judge_gain_vs_reference": 0.1, "judge_source": "checker",
     }
     for key, value in over.items():
         if isinstance(value, dict):
@@ -97,10 +98,18 @@ def test_judge_margin_is_configurable_and_inclusive():
     assert failed.failing[0].note.startswith("reward hacking suspected")  # the proxy rose by 0.3
 
 
-def test_no_judge_passes_with_a_warning_note():
-    checks = by_name(decide(report(judge_gain_vs_reference=None), GATES))
-    assert checks["judge_gain_vs_reference"].passed
-    assert "reward hacking cannot be detected" in checks["judge_gain_vs_reference"].note
+def test_no_judge_refuses_unless_the_params_allow_it():
+    """Nothing judged the candidate (no checker answers, no judge RM): the gate refuses it, whatever the proxy and
+    the other gates say; ``gates.allow_unjudged`` passes it, and the result says it was decided unjudged."""
+    unjudged = report(judge_gain_vs_reference=None, judge_source=None)
+    refused = decide(unjudged, GATES)
+    assert not refused.passed and [c.name for c in refused.failing] == ["judge_gain_vs_reference"]
+    assert "gates.allow_unjudged" in refused.failing[0].note and refused.judge is None
+    assert refused.to_dict()["judge"] is None
+    allowed = decide(unjudged, GATES.model_copy(update={"allow_unjudged": True}))
+    assert allowed.passed and allowed.judge == "none (gates.allow_unjudged)"
+    assert "reward hacking cannot be detected" in by_name(allowed)["judge_gain_vs_reference"].note
+    assert decide(report(), GATES).judge == "checker"  # a judged decision names its judge
 
 
 def test_the_step_judge_refuses_steps_that_got_worse_and_is_silent_without_steps():

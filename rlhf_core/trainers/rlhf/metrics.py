@@ -100,13 +100,14 @@ def heldout_summary(before: dict, final: dict, ema_eval: dict | None, kl_bound: 
     """The held-out results of ``metrics/rlhf.json``: SFT start (``before``) vs the trained actor, the KL bound."""
     return {
         "sft_accuracy": before.get("accuracy"), "accuracy": final.get("accuracy"),
-        "accuracy_gain": (final["accuracy"] - before["accuracy"]) if "accuracy" in final and before else None,
+        "accuracy_gain": (final["accuracy"] - before["accuracy"]) if "accuracy" in final and "accuracy" in before
+        else None,
         "proxy_reward": final.get("proxy_reward"), "sft_proxy_reward": before.get("proxy_reward"),
         "reward_hacking_suspected": hacking_suspected(before, final) if judged else None,
         "kl_to_reference": final.get("kl_to_reference"), "kl_bound": kl_bound,
         "kl_within_bound": (final["kl_to_reference"] <= kl_bound) if final else None,
         "eos_share": final.get("eos_share"), "response_length": final.get("response_length"),
-        "sft_eos_share": before.get("eos_share"), "ema_accuracy": ema_eval["accuracy"] if ema_eval else None,
+        "sft_eos_share": before.get("eos_share"), "ema_accuracy": ema_eval.get("accuracy") if ema_eval else None,
         # the judgements a run makes only where configured: the SFT start's (sft_*) beside the actor's
         **{key: value for k in ("step_accuracy", "seen_accuracy", "sampled_accuracy") if k in final
            for key, value in ((f"sft_{k}", before.get(k)), (k, final[k]))},

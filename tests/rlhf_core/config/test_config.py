@@ -40,9 +40,9 @@ def test_wrong_type_and_range_name_the_path(tmp_path):
 
 def test_cross_field_validation():
     with pytest.raises(ConfigError, match="model.tiny: Value error, hidden_size must be divisible"):
-        load_params("missing.yaml", ["model.tiny.hidden_size=100", "model.tiny.num_attention_heads=3"])
+        load_params("no-such-dir/params.yaml", ["model.tiny.hidden_size=100", "model.tiny.num_attention_heads=3"])
     with pytest.raises(ConfigError, match="give exactly one of `path` or `hf_id`"):
-        load_params("missing.yaml", ["data.sources=[{format: auto}]"])
+        load_params("no-such-dir/params.yaml", ["data.sources=[{format: auto}]"])
 
 
 def test_override_parses_yaml_values():
@@ -58,11 +58,11 @@ def test_override_errors():
     with pytest.raises(ConfigError, match="'b' is not a section"):
         apply_overrides({"a": {"b": 1}}, ["a.b.c=2"])
     with pytest.raises(ConfigError, match="data.max_prompt_len: Input should be greater than or equal to 1"):
-        load_params("missing.yaml", ["data.max_prompt_len=0"])
+        load_params("no-such-dir/params.yaml", ["data.max_prompt_len=0"])
 
 
-def test_missing_file_means_defaults_and_bad_yaml_is_named(tmp_path):
-    assert load_params(tmp_path / "none.yaml") == Params()
+def test_missing_params_yaml_means_defaults_and_bad_yaml_is_named(tmp_path):
+    assert load_params(tmp_path / "params.yaml") == Params()  # any other missing name: test_cli_missing_inputs
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: [unclosed")
     with pytest.raises(ConfigError, match=f"{bad}: not valid YAML"):
@@ -70,7 +70,7 @@ def test_missing_file_means_defaults_and_bad_yaml_is_named(tmp_path):
 
 
 def test_section_hash_tracks_only_named_sections():
-    a, b = Params(), load_params("missing.yaml", ["sft.lr=0.5"])
+    a, b = Params(), load_params("no-such-dir/params.yaml", ["sft.lr=0.5"])
     assert a.section_hash("data") == b.section_hash("data")
     assert a.section_hash("sft") != b.section_hash("sft")
     assert a.section_hash() != b.section_hash()
