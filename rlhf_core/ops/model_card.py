@@ -132,3 +132,85 @@ def render_model_card(meta: dict, params: Params, metrics: dict | None = None) -
     limits += [LIMITS[k] for k in ("proxy", "actor") if k == role.removesuffix("_dpo").removesuffix("_process")]
     lines += ["## Limitations", "", *[f"- {text}" for text in limits], ""]
     return "\n".join(lines)
+
+
+def split_front_matter(card: str) -> tuple[dict, str]:
+    """A card's YAML front matter (``{}`` when it has none) and its body."""
+    if card.startswith("---\n") and "\n---\n" in card[4:]:
+        head, body = card[4:].split("\n---\n", 1)
+        data = yaml.safe_load(head)
+        return (data if isinstance(data, dict) else {}), body.lstrip()
+    return {}, card
+
+
+REGISTRY_TAGS = (
+    ("rlhf.params_hash", "params hash"),
+    ("rlhf.git_sha", "git sha"),
+    ("rlhf.dvc.data_prepared", "prepared data (DVC md5)"),
+    ("rlhf.gate", "gate"),
+    ("rlhf.gate.failing", "failing gates"),
+    ("rlhf.promoted_at", "promoted at"),
+    ("rlhf.promoted_by", "promoted by"),
+    ("rlhf.promotion_reason", "promotion reason"),
+    ("rlhf.previous_champion", "previous champion"),
+    ("rlhf.content_hash", "content hash"),
+)
+
+
+def render_export_card(card: str | None, registry: dict) -> str:
+    """The ``README.md`` of an exported registered version: the registered card's body (or a title) under Hub
+    front matter (the card's own, with ``library_name: transformers``, ``pipeline_tag``, ``base_model`` when it
+    is a Hub id and the tags ``rlhf-ops``, ``rlhf`` and the RL algorithm added), then a registry section.
+
+    ``registry``: ``name``, ``version``, ``kind`` (actor / reward / critic), ``aliases`` (list), ``run_id``,
+    ``tags`` (the version's tags), optional ``algorithm`` and ``base_model`` (the training run's params).
+    """
+    front, body = split_front_matter(card or "")
+    kind = registry["kind"]
+    front["library_name"] = "transformers"
+    front["pipeline_tag"] = "text-generation" if kind == "actor" else "text-classification"
+    base = registry.get("base_model")
+    if base and not str(base).startswith((".", "/", "pkg:")) and str(base).count("/") == 1:
+        front["base_model"] = base
+    tags = [t for t in front.get("tags") or [] if t]
+    for tag in ("rlhf-ops", "rlhf", registry.get("algorithm"), kind):
+        if tag and tag not in tags:
+            tags.append(tag)
+    front["tags"] = tags
+    name, version = registry["name"], registry["version"]
+    if not body.strip():
+        role = {"actor": "sft", "reward": "proxy"}.get(kind)
+        line = ROLES[role][1] if role else "Value model (critic) of a PPO run: a scalar value per token."
+        body = f"# {name} v{version}\n\n{line}\n"
+    aliases = ", ".join(registry.get("aliases") or []) or "none"
+    rows = [
+        f"| registered model | `{name}` version {version} (aliases: {aliases}) |",
+        f"| MLflow run | {_fmt(registry.get('run_id'))} |",
+    ]
+    tags_of = registry.get("tags") or {}
+    rows += [f"| {label} | {_fmt(tags_of.get(key))} |" for key, label in REGISTRY_TAGS if tags_of.get(key)]
+    rows += [
+        f"| input `{k.removeprefix('rlhf.input.')}` | {_fmt(v)} |"
+        for k, v in sorted(tags_of.items())
+        if k.startswith("rlhf.input.")
+    ]
+    loader = "AutoModelForCausalLM" if kind == "actor" else "AutoModelForSequenceClassification"
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).strip(),
+        "---",
+        "",
+        body.rstrip(),
+        "",
+        "## Registry",
+        "",
+        "Exported by `rlhf export` from the MLflow model registry.",
+        "",
+        "| key | value |",
+        "|---|---|",
+        *rows,
+        "",
+        f"Load it with `{loader}.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`.",
+        "",
+    ]
+    return "\n".join(lines)

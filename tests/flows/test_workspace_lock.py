@@ -41,7 +41,8 @@ def test_second_holder_is_refused_with_the_holders_pid_and_a_dead_holder_frees_t
 
 
 def test_rlhf_run_exits_5_while_another_run_holds_the_workspace(tmp_path):
-    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    for name in ("params.yaml", "dvc.yaml"):
+        (tmp_path / name).write_text((REPO / name).read_text())
     proc = _holder(tmp_path / ".rlhf")
     try:
         t0 = time.monotonic()
