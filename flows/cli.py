@@ -232,6 +232,8 @@ def init_cmd(
     sft: Path = typer.Option(None, "--sft", help="SFT demonstrations (data.files.sft)."),
     pairs: Path = typer.Option(None, "--pairs", help="Preference pairs for the reward model (data.files.pairs)."),
     prompts: Path = typer.Option(None, "--prompts", help="RL prompts (data.files.prompts)."),
+    rm: str = typer.Option(None, "--rm", help="Your own reward model (rm.external): a folder or Hub id of a "
+                                              "*ForSequenceClassification; unset: the RM stage trains one."),
     force: bool = typer.Option(False, "--force", help="Lay out the pipeline files in a folder that is not empty."),
 ) -> None:
     """Lay out a workspace for your own model and data: the pipeline files of this source tree, a params.yaml
@@ -243,7 +245,8 @@ def init_cmd(
     from rlhf_core.data.readers import DataError
 
     try:
-        target = init_workspace(directory, model, *(str(p) if p else None for p in (sft, pairs, prompts)), force=force)
+        target = init_workspace(directory, model, *(str(p) if p else None for p in (sft, pairs, prompts)), force=force,
+                                rm=rm)
     except (DataError, ConfigError) as err:
         fail(str(err), code=BAD_INPUT)
     except subprocess.CalledProcessError as err:

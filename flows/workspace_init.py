@@ -26,6 +26,7 @@ from pathlib import Path
 import flows
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 from rlhf_core.data.readers import DataError
+from rlhf_core.ops.input_links import sync_input_links
 
 SOURCE_ROOT = Path(flows.__file__).resolve().parent.parent
 COPIED = ("dvc.yaml", ".dvcignore", ".gitignore", "prefect.yaml")
@@ -57,15 +58,17 @@ def _absolute(spec: str, what: str, must_exist: bool) -> str:
     return spec  # a Hub id (org/name) or a `pkg:` spec: prepare reads it
 
 
-def render_params(name: str, model: str | None, files: dict[str, str | None]) -> str:
+def render_params(name: str, model: str | None, files: dict[str, str | None], rm: str | None = None) -> str:
     """``params.yaml`` text for a workspace (what is not given stays a commented line to fill in)."""
 
     def q(value: str) -> str:
         return json.dumps(value)  # a JSON string is a YAML scalar, whatever the path holds
 
     lines = [
-        "# rlhf-ops workspace params, laid out by `rlhf init`. Keys not listed take their defaults:",
-        "# `rlhf params check` prints the effective config; every key: docs/params.md in the rlhf-ops source.",
+        "# rlhf-ops workspace params, laid out by `rlhf init` with these settings (every key is below; edit it",
+        "# there; `rlhf params check` validates; docs/params.md in the rlhf-ops source documents each one).",
+        "# data.max_prompt_len counts the tokens of the rendered prompt, chat template included: raise it for",
+        "# long prompts (longer ones are dropped and counted, never cut).",
         "project:",
         f"  name: {q(name)}  # registered models: <name>-actor, <name>-reward, <name>-critic",
         "model:",
@@ -83,14 +86,27 @@ def render_params(name: str, model: str | None, files: dict[str, str | None]) ->
             lines.append(f"    {phase}: {{path: {q(files[phase])}}}  # {what}")
         else:
             lines.append(f"    {phase}: null  # fill in: {{path: /path/to/{phase}.jsonl}}; {what}")
+    lines += ["rlhf:", "  reward_fns: {rm: 1.0}  # the reward model scores the rollouts"]
+    yours = f"  external: {q(rm)}  # your reward model: scored on the held-out pairs, not trained"
+    lines += ["rm:", yours] if rm else [
+        "# rm:", "  # external: /path/to/your/reward-model  # a *ForSequenceClassification folder or Hub id"]
     lines += [
-        "# Without a checker for your task (eval.checker), a judge RM trained on held-out pairs",
-        "# decides the gate:",
-        "# rm:",
-        "#   judge: true",
+        "  # Without a checker for your task (eval.checker), a judge RM trained on held-out pairs",
+        "  # decides the gate (else nothing is promoted; gates.allow_unjudged: true promotes anyway):",
+        "  # judge: true",
         "",
     ]
     return "\n".join(lines)
+
+
+def filled_in(text: str, params) -> str:
+    """``params.yaml`` as DVC's stages need it, every key filled in (a stage whose params are missing from the
+    file is refused), under ``text`` (what ``rlhf init`` was given, and what is left to decide) as comments."""
+    import yaml
+
+    notes = "\n".join(f"# {line}" if line and not line.startswith("#") else line for line in text.splitlines())
+    return (f"{notes}\n# ---- every key, filled in with its default where not given above (DVC reads each stage's "
+            "keys here) ----\n" + yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False, allow_unicode=True))
 
 
 def init_workspace(
@@ -100,6 +116,7 @@ def init_workspace(
     pairs: str | None = None,
     prompts: str | None = None,
     force: bool = False,
+    rm: str | None = None,
 ) -> Path:
     """Lay out the workspace ``target`` (see the module doc); returns it. ``DataError`` / ``ConfigError`` name what
     is wrong, before anything is written: a non-empty ``target`` (unless ``force``: the pipeline files are written
@@ -126,7 +143,8 @@ def init_workspace(
         for phase, spec in (("sft", sft), ("pairs", pairs), ("prompts", prompts))
     }
     model = _absolute(model, "--model", must_exist=False) if model else None
-    text = render_params(target.name, model, files)
+    rm = _absolute(rm, "--rm", must_exist=False) if rm else None
+    text = render_params(target.name, model, files, rm)
     target.mkdir(parents=True, exist_ok=True)
     params_path = target / DEFAULT_PARAMS
     staged = target / f".{DEFAULT_PARAMS}.init"
@@ -136,6 +154,7 @@ def init_workspace(
     except ConfigError:
         staged.unlink()
         raise
+    staged.write_text(filled_in(text, params))
     staged.replace(params_path)
     for name in COPIED:
         shutil.copy2(SOURCE_ROOT / name, target / name)
@@ -149,4 +168,5 @@ def init_workspace(
     if not (target / ".git").exists():
         subprocess.run(["git", "init", "-q"], cwd=target, check=True)
     ensure_dvc(target, params.project.workspace)
+    sync_input_links(params, target)  # inputs/: DVC's view of the files params.yaml names
     return target

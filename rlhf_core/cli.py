@@ -119,7 +119,11 @@ def stage_cmd(
         fail(f"stage {name}: {err}", code=exit_codes.STOPPED)
     except (DataError, ConfigError, ValueError) as err:  # a retry would fail the same way
         fail(f"stage {name}: {err}", code=exit_codes.BAD_INPUT)
-    if isinstance(result, dict) and "counts" in result:
+    if name == "prepare":
+        from rlhf_core.stages.prepare import summary
+
+        console.print(f"[green]{name} done[/green]: {summary(result)}", highlight=False)
+    elif isinstance(result, dict) and "counts" in result:
         console.print(f"[green]{name} done[/green]: {json.dumps(result['counts'])}", highlight=False)
 
 

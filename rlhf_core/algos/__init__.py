@@ -38,6 +38,7 @@ from rlhf_core.algos.losses import (
 from rlhf_core.algos.masking import (
     as_bool_mask,
     gather_last,
+    gather_pooled,
     last_valid_index,
     masked_mean,
     masked_sum,
@@ -64,6 +65,7 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "gather_last",
+    "gather_pooled",
     "group_advantages",
     "implicit_reward",
     "kl_estimate",

@@ -16,7 +16,9 @@ import torch
 __all__ = [
     "as_bool_mask",
     "gather_last",
+    "gather_pooled",
     "last_valid_index",
+    "pooled_index",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -105,5 +107,32 @@ def gather_last(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     ``x`` and ``mask`` have the same shape.
     """
     idx = last_valid_index(mask)
+    picked = x.gather(-1, idx.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(idx >= 0, picked, torch.zeros_like(picked))
+
+
+def pooled_index(input_ids: torch.Tensor, mask: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """The position a transformers ``*ForSequenceClassification`` reads a row's score at, ``[B, T] -> [B]`` (long).
+
+    transformers (``GenericForSequenceClassification.forward``) takes the rightmost token whose id is not
+    ``pad_token_id``, so with pad = EOS a trailing EOS (or a run of them) is skipped and the token before it is
+    read; a row of pad ids only is read at its first token; with no ``pad_token_id``, the last token. Here the
+    same on padded rows, left or right: among the positions valid in ``mask``, the rightmost whose id is not
+    ``pad_token_id``, else the row's first valid position (transformers' index 0 of the unpadded row); with
+    ``pad_token_id`` None, the last valid position. ``-1`` for a row with no valid position.
+    """
+    m = as_bool_mask(mask)
+    if pad_token_id is None:
+        return last_valid_index(m)
+    last = last_valid_index(m & (input_ids != pad_token_id))
+    positions = torch.arange(m.shape[-1], device=m.device)
+    first = torch.where(m, positions, torch.full_like(positions, m.shape[-1])).amin(dim=-1)
+    return torch.where(last >= 0, last, torch.where(m.any(dim=-1), first, torch.full_like(first, -1)))
+
+
+def gather_pooled(x: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
+                  pad_token_id: int | None) -> torch.Tensor:
+    """``x`` at :func:`pooled_index` of each row, ``[B, T] -> [B]``; 0 for rows with no valid position."""
+    idx = pooled_index(input_ids, mask, pad_token_id)
     picked = x.gather(-1, idx.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(idx >= 0, picked, torch.zeros_like(picked))

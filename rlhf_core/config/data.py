@@ -75,6 +75,9 @@ class ColumnMap(Section):
     chosen: str = Field("chosen", description="Source column holding the preferred response.")
     rejected: str = Field("rejected", description="Source column holding the dispreferred response.")
     messages: str = Field("messages", description="Source column holding a chat `messages` list.")
+    conversations: str = Field("conversations", description="Source column holding a ShareGPT `conversations` list "
+                                                            "(`from`: system / human / gpt, `value`): read as "
+                                                            "`messages`.")
     answer: str = Field("answer", description="Source column holding a ground-truth answer (optional).")
 
 
@@ -120,8 +123,10 @@ class DataConfig(Section):
     max_prompt_len: int = Field(48, ge=1, description="Prompt token limit (the text's tokens; a BOS that the "
                                                       "tokenizer adds comes on top).")
     max_response_len: int = Field(16, ge=1, description="Response token limit (longer rows are dropped).")
-    truncation: Literal["left", "drop"] = Field(
-        "left", description="Over-long prompts: keep their last tokens (`left`) or drop the row.")
+    truncation: Literal["auto", "left", "drop"] = Field(
+        "auto", description="Over-long prompts: keep their last tokens (`left`) or drop the row (counted); "
+                            "`auto`: drop where a chat template rendered them (cutting one would cut its "
+                            "head off: `left` is then an error), else `left`.")
     on_malformed: Literal["error", "drop"] = Field(
         "error", description="Malformed lines (bad JSON, non-UTF-8): fail naming file:line, or drop and count.")
     dedupe: bool = Field(True, description="Drop exact duplicate rows within a phase (counted).")

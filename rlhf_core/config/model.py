@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.config.base import Section
 
@@ -39,7 +39,18 @@ class ModelConfig(Section):
     tokenizer: str | None = Field(None, description="Tokenizer id or path (same forms); defaults to `name_or_path`.")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off by default).")
-    chat_template: bool = Field(False, description="Render plain prompts with the tokenizer's chat template.")
+    chat_template: str = Field(
+        "auto", description="How prepare renders the prompts of your own files (`data.source: mixed | per_phase`), "
+                            "the same for every phase: `auto` with the tokenizer's chat template when it has one, "
+                            "else as raw text; `tokenizer` the tokenizer's (an error when it has none); `none` raw "
+                            "text (chat rows as `Human: ... Assistant:`); or a `.jinja` file (relative to the "
+                            "workspace). A plain prompt is one user turn, an HH transcript its turns; the "
+                            "generation prompt is appended. The built-in tasks render their own.")
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _from_bool(cls, value):  # the boolean this key took before: false = none, true = tokenizer
+        return {False: "none", True: "tokenizer"}.get(value, value) if isinstance(value, bool) else value
 
 
 # --------------------------------------------------------------------------- compute

@@ -105,8 +105,17 @@ class RMConfig(EpochConfig):
                            "the proxy's training pairs. The evaluate stage's judge when prompts carry no answers "
                            "(`eval.judge: auto|model`). Off: `models/judge` holds only its meta file.")
 
+    external: str | None = Field(
+        None, description="A reward model of your own instead of training one: a local folder or Hub id of a "
+                          "decoder `*ForSequenceClassification` (one label) with its tokenizer. The stage scores "
+                          "the held-out pairs with it (`accuracy`) and saves it as `models/rm`; the folder is only "
+                          "read (rlhf_core/trainers/rm_external.py). Not with `ensemble` > 1 or another objective.")
+
     @model_validator(mode="after")
     def _rpo_needs_dpo(self) -> RMConfig:
         if self.rpo_alpha and self.objective != "dpo":
             raise ValueError(f"rpo_alpha {self.rpo_alpha} applies to objective dpo only, not {self.objective}")
+        if self.external is not None and (self.ensemble > 1 or self.objective != "score_head"):
+            raise ValueError(f"external {self.external!r} is a trained reward model: it takes ensemble 1 and "
+                             f"objective score_head, not ensemble {self.ensemble}, objective {self.objective}")
         return self

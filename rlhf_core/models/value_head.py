@@ -1,8 +1,11 @@
 """``ValueHeadModel``: a transformer backbone + ``Linear(hidden, 1)``: one value per token, a score per sequence.
 
-Used as the reward model (score = value at the last non-pad token, as in DeepSpeed-Chat / OpenRLHF)
-and later as the PPO critic (per-token values).  Works with left or right padding: position ids
-are derived from the attention mask and the last index is computed from the mask, vectorised.
+Used as the reward model and later as the PPO critic (per-token values). A row's score is its value where
+transformers' ``*ForSequenceClassification`` pools (``algos.masking.pooled_index``): the rightmost token whose id
+is not ``pad_token_id`` (with pad = EOS, the token before a trailing EOS), so the scores of a saved RM, ours or
+one from the Hub, are those ``AutoModelForSequenceClassification`` gives on the same token ids, and an RM trains
+where it will be read. Works with left or right padding: position ids are derived from the attention mask, the
+pooled index from the mask and the ids, vectorised.
 
 The in-memory model that trains; on disk it is a transformers ``*ForSequenceClassification`` checkpoint (the
 backbone + the head as ``score``, one label), which HF, TRL and OpenRLHF load unchanged: ``save_pretrained`` and
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhf_core.algos import gather_last
+from rlhf_core.algos import gather_pooled
 from rlhf_core.engine.distributed import full_param
 from rlhf_core.models.reward_format import load_value_model, save_seq_cls
 from rlhf_core.passes.prefix_cache import position_ids as positions_from_mask
@@ -28,16 +31,21 @@ from rlhf_core.passes.values import shared_prefix_scores
 @dataclass
 class ValueHeadOutput:
     values: torch.Tensor  # [B, T] one value per token (per new token, on top of a cache)
-    scores: torch.Tensor  # [B] value at the last non-pad token
+    scores: torch.Tensor  # [B] value at the pooled token (algos.masking.pooled_index)
     past_key_values: object | None = None  # the backbone's KV cache, with use_cache
 
 
 class ValueHeadModel(nn.Module):
-    """``AutoModel`` backbone + value head. ``forward(input_ids, attention_mask) -> ValueHeadOutput``."""
+    """``AutoModel`` backbone + value head. ``forward(input_ids, attention_mask) -> ValueHeadOutput``.
 
-    def __init__(self, backbone: nn.Module, value_head: nn.Linear | None = None):
+    ``pad_token_id`` (default: the backbone config's) is the id the score skips, as transformers' pooling does;
+    the RM stage sets the tokenizer's, the one ``save_pretrained`` writes into the checkpoint's config."""
+
+    def __init__(self, backbone: nn.Module, value_head: nn.Linear | None = None, pad_token_id: int | None = None):
         super().__init__()
         self.backbone = backbone
+        self.pad_token_id = pad_token_id if pad_token_id is not None else getattr(backbone.config, "pad_token_id",
+                                                                                  None)
         hidden = self.base_config.hidden_size
         self.value_head = value_head if value_head is not None else nn.Linear(hidden, 1, bias=False)
         if value_head is None:
@@ -76,7 +84,8 @@ class ValueHeadModel(nn.Module):
                             past_key_values=past_key_values, use_cache=use_cache)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
-        return ValueHeadOutput(values=values, scores=gather_last(values, attention_mask[:, -values.shape[1]:]),
+        scores = gather_pooled(values, input_ids, attention_mask[:, -values.shape[1]:], self.pad_token_id)
+        return ValueHeadOutput(values=values, scores=scores,
                                past_key_values=getattr(out, "past_key_values", None) if use_cache else None)
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

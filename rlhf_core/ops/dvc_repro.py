@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core.ops.input_links import sync_from_params_file
+
 DVC_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)")
 STOP_GRACE_S = 30.0  # an interrupted caller gives its stage process this long to exit after SIGTERM
 TAIL_LINES = 20
@@ -72,6 +74,7 @@ def run_repro(stage: str, root: Path, env: dict[str, str], echo: Callable[[str],
     ``started(proc)`` is called once the process group exists (e.g. to forward a signal to it). When this call
     is interrupted (an exception, a KeyboardInterrupt) the group is stopped before the exception propagates.
     """
+    sync_from_params_file(root)  # inputs/: what DVC hashes of the files params.yaml names
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage, *(["--force"] if force else []),
            *extra_args]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -73,10 +73,13 @@ def shared_prefix_scores(model, prefix_ids: torch.Tensor, prefix_mask: torch.Ten
     ``U x P + B x S`` positions instead of ``B x (P + S)``. None when the backbone's cache cannot be shared
     (``prefix_cache.supports_prefix_cache``: a sliding window, a convolutional or recurrent layer; under ZeRO-3
     over several ranks, unless every rank's can) or returns no KV cache that can be indexed (a remote-code
-    model): score the full rows instead.
+    model), or when a suffix holds no token but ``pad_token_id`` (the pooled token would lie in its prefix,
+    ``algos.masking.pooled_index``): score the full rows instead.
     """
     lockstep = D.forwards_in_lockstep(model)
-    shares = supports_prefix_cache(model)
+    pad = getattr(getattr(model, "module", model), "pad_token_id", None)
+    shares = supports_prefix_cache(model) and (pad is None or bool(
+        ((suffix_ids != pad) & suffix_mask.bool()).any(dim=1).all()))
     if lockstep:
         (shares,) = D.all_agree(shares)
     if not shares:

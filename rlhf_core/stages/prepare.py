@@ -1,10 +1,13 @@
 """``rlhf stage prepare``: raw data -> ``data/prepared/*.parquet`` + manifest, and ``models/base``.
 
 Steps: read sources -> get or train the tokenizer -> normalise to the
-canonical schema -> split into phases (``data_split``) -> project each phase
-to its columns -> length-filter (left-truncate or drop over-long prompts) ->
-de-duplicate -> hold out eval rows -> write atomically.  Every dropped row is
-counted by reason in ``manifest.json``; an empty phase is an error.
+canonical schema, every prompt rendered alike (``model.chat_template``:
+``prompt_rendering``) -> split into phases (``data_split``) -> project each
+phase to its columns -> length-filter (drop over-long prompts, or left-truncate
+raw text: ``truncation``) -> de-duplicate -> hold out eval rows -> write
+atomically.  Every dropped row is counted by reason in ``manifest.json`` (the
+first ones named by ``file:line``) and in the stage's ``summary``; an empty
+phase is an error naming its file and key.
 
 With ``model.name_or_path`` the base model is imported into ``models/base`` as a plain HF folder
 (``models.importing``: GGUF, package, local folder or Hub id), beside its tokenizer. ``data.source:
@@ -14,6 +17,7 @@ its preference pairs reject the imported base model's own wrong answers (``data.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections import Counter
@@ -24,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_core.config import Params, SourceConfig
+from rlhf_core.config import ConfigError, Params, SourceConfig
 from rlhf_core.data.base_negatives import replace_with_base_errors
-from rlhf_core.data.normalize import normalize_rows
+from rlhf_core.data.normalize import Rendering, normalize_rows
 from rlhf_core.data.phases import (
     CANON_COLUMNS,
     PHASE_COLUMNS,
@@ -49,6 +53,7 @@ from rlhf_core.data.tokenizer import (
 from rlhf_core.models.importing import import_base_model
 from rlhf_core.ops import paths
 from rlhf_core.ops.atomic import write_json_atomic
+from rlhf_core.ops.input_links import sync_input_links
 from rlhf_core.ops.integrity import seal_model_dir
 from rlhf_core.ops.meta import build_meta, file_sha256, write_meta
 from rlhf_core.rewards import arithmetic, demo_task, multistep
@@ -166,6 +171,55 @@ def _base_negatives(params: Params, model, tok, prepared: Path) -> dict:
     return out
 
 
+USER_SOURCES = ("mixed", "per_phase")  # the sources whose prompts model.chat_template renders
+
+
+def prompt_rendering(params: Params, tok, root: Path) -> Rendering:
+    """``model.chat_template`` as a :class:`Rendering` of the prompts of the user's files (the built-in tasks
+    render their own: raw). A template file's text becomes the tokenizer's template (saved in ``models/base``, so
+    generation and serving render as training did). Errors name the key."""
+    mode, data = params.model.chat_template, params.data
+    if data.source not in USER_SOURCES:
+        return Rendering.raw(mode)
+    if mode not in ("auto", "none", "tokenizer"):
+        path = Path(mode) if Path(mode).is_absolute() else root / mode
+        if not path.is_file():
+            raise ConfigError(f"model.chat_template: no such template file {mode} (auto | none | tokenizer | a "
+                              ".jinja file)")
+        tok.chat_template = path.read_text(encoding="utf-8")
+    elif mode == "none" or (mode == "auto" and not getattr(tok, "chat_template", None)):
+        return Rendering.raw(mode)
+    elif mode == "auto" and source_tokenizer_path(params.model) is None:  # the demo's, trained on these rows:
+        return Rendering(mode, chat_renderer(tok), False)  # prompts as written, chat lists as Human/Assistant
+    render = chat_renderer(tok)
+    if render is None:
+        raise ConfigError(f"model.chat_template: tokenizer, but the tokenizer of "
+                          f"{source_tokenizer_path(params.model)} has no chat template; set auto, none or a .jinja "
+                          "file")
+    if data.truncation == "left":
+        raise ConfigError(f"data.truncation: left would cut the head off prompts the chat template renders "
+                          f"(model.chat_template: {mode}); set drop (or auto) to drop over-long ones, counted")
+    return Rendering(mode, render, True)
+
+
+def truncation(params: Params, rendering: Rendering) -> str:
+    """``data.truncation`` with ``auto`` resolved: drop where a template rendered the prompts, else left."""
+    if params.data.truncation != "auto":
+        return params.data.truncation
+    return "drop" if rendering.templated else "left"
+
+
+def summary(manifest: dict) -> str:
+    """The stage's one-line account: rows per file, the rendering, what was dropped and cut, by reason."""
+    parts = [json.dumps(manifest["counts"]), f"chat template: {manifest['chat_template']}"
+             f" ({'rendered' if manifest['templated'] else 'raw text'})"]
+    for key, what in (("dropped", "dropped"), ("modified", "modified")):
+        if manifest[key]:
+            reasons = ", ".join(f"{r}={n}" for r, n in manifest[key].items())
+            parts.append(f"{what} {sum(manifest[key].values())}: {reasons}")
+    return "; ".join(parts)
+
+
 def _source_names(params: Params) -> str | list[str]:
     data = params.data
     if data.source in ("demo", "arithmetic", "multistep"):
@@ -174,8 +228,8 @@ def _source_names(params: Params) -> str | list[str]:
     return sorted({_source_name(src) for src in sources})
 
 
-def _build_phases(params: Params, raw: dict[str, Stream], tok, work: Path, out: Path, dropped: Counter,
-                  modified: Counter) -> tuple[dict[str, int], dict]:
+def _build_phases(params: Params, raw: dict[str, Stream], tok, rendering: Rendering, work: Path, out: Path,
+                  dropped: Counter, modified: Counter, examples: list[str]) -> tuple[dict[str, int], dict]:
     """The raw streams -> ``out/{phase,eval_phase}.parquet`` through files in ``work``, a batch at a time
     (``rlhf_core.data.phases``); returns the row counts and the token statistics.
 
@@ -184,14 +238,16 @@ def _build_phases(params: Params, raw: dict[str, Stream], tok, work: Path, out: 
     pass 3 splits each phase into train and eval (or takes the task's own held-out rows as eval).
     """
     data, seed = params.data, params.project.seed
-    render = chat_renderer(tok)
+    cut = truncation(params, rendering)
+    by_source: dict[str, Counter] = {}  # per_phase: each phase's own drops, for its error
 
     def canon(key: str) -> RowFile:
         rows = RowFile(work / f"canon-{key}.parquet", CANON_COLUMNS)
-        for batch in batched(raw[key](dropped)):
+        counter = by_source.setdefault(key, Counter())
+        for batch in batched(raw[key](counter)):
             for (fmt, src), group in groupby(batch, key=lambda row: (row[2], row[3])):
-                rows.write(normalize_rows([(o, r) for o, r, _, _ in group], fmt, data.columns, render, dropped,
-                                          src))
+                rows.write(normalize_rows([(o, r) for o, r, _, _ in group], fmt, data.columns, rendering, counter,
+                                          src, examples))
         return rows.close()
 
     def phases_of(rows: RowFile, phase: str | None) -> np.ndarray:
@@ -203,43 +259,50 @@ def _build_phases(params: Params, raw: dict[str, Stream], tok, work: Path, out: 
             phase_of[idx] = k
         return phase_of
 
-    def filtered(rows: RowFile, phase_of: np.ndarray, tag: str) -> dict[str, tuple[RowFile, Lengths]]:
-        wanted = [ph for k, ph in enumerate(paths.PHASES) if (phase_of == k).any() or phase_of.size == 0]
+    def filtered(rows: RowFile, phase_of: np.ndarray, tag: str, key: str) -> dict[str, tuple[RowFile, Lengths]]:
+        """``key``'s rows, by phase (a per_phase source's own phase only, even with no rows left)."""
+        wanted = ([key] if key in paths.PHASES else
+                  [ph for k, ph in enumerate(paths.PHASES) if (phase_of == k).any() or phase_of.size == 0])
         files = {ph: RowFile(work / f"{tag}-{ph}.parquet", PHASE_COLUMNS[ph]) for ph in wanted}
         lengths = {ph: Lengths() for ph in wanted}
         dedupe = {ph: Deduper(ph) for ph in wanted}
-        offset = 0
+        offset, counter = 0, by_source[key]
         for batch in rows.batches():
             where, offset = phase_of[offset:offset + len(batch)], offset + len(batch)
             for ph in wanted:
                 k = paths.PHASES.index(ph)
-                kept = project([row for row, p in zip(batch, where, strict=True) if p == k], ph, dropped)
-                kept, lens = length_filter(kept, ph, tok, data.max_prompt_len, data.max_response_len,
-                                           data.truncation, dropped, modified)
+                kept = project([row for row, p in zip(batch, where, strict=True) if p == k], ph, counter)
+                kept, lens = length_filter(kept, ph, tok, data.max_prompt_len, data.max_response_len, cut, counter,
+                                           modified)
                 lengths[ph].add(lens)
-                files[ph].write(dedupe[ph](kept, dropped) if data.dedupe else kept)
+                files[ph].write(dedupe[ph](kept, counter) if data.dedupe else kept)
         return {ph: (files[ph].close(), lengths[ph]) for ph in wanted}
 
     def checked(rows: RowFile | None, phase: str, need: int) -> RowFile:
         count = rows.count if rows is not None else 0
         if count < need:
-            reasons = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
-            raise DataError(f"phase {phase!r} has {count} rows after filtering (need >= {need} for train + "
+            src = getattr(data.files, phase) if data.source == "per_phase" else None
+            counter = by_source[phase] if src is not None else dropped
+            where = f" ({_source_name(src)}, data.files.{phase})" if src is not None else ""
+            reasons = ", ".join(f"{r}={n}" for r, n in sorted(counter.items())) or "none"
+            raise DataError(f"phase {phase!r}{where} has {count} rows after filtering (need >= {need} for train + "
                             f"eval); dropped: {reasons}")
         return rows
 
     by_phase: dict[str, tuple[RowFile, Lengths]] = {}
     if "mixed" in raw:
         rows = canon("mixed")
-        by_phase = filtered(rows, phases_of(rows, None), "main")
+        by_phase = filtered(rows, phases_of(rows, None), "main", "mixed")
     else:
         for ph in paths.PHASES:
             rows = canon(ph)
-            by_phase |= filtered(rows, phases_of(rows, ph), "main")
+            by_phase |= filtered(rows, phases_of(rows, ph), "main", ph)
     held_out = None
     if "held_out" in raw:
         rows = canon("held_out")
-        held_out = filtered(rows, phases_of(rows, None), "held_out")
+        held_out = filtered(rows, phases_of(rows, None), "held_out", "held_out")
+    for counter in by_source.values():
+        dropped.update(counter)
 
     counts, token_stats = {}, {}
     for k, phase in enumerate(paths.PHASES):
@@ -269,17 +332,21 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
     """Run the prepare stage under ``root``; returns the manifest. Rows stream from the sources to the prepared
     Parquet files in bounded memory (``_build_phases``)."""
     root = Path(root)
+    sync_input_links(params, root)  # DVC's view of the files params.yaml names (ops.input_links)
     dropped: Counter = Counter()
     modified: Counter = Counter()
     tok = source_tokenizer(params)
     raw = load_raw(params, tok)
     tok = tok if tok is not None else build_tokenizer(params, raw)
+    rendering = prompt_rendering(params, tok, root)
+    examples: list[str] = []
     prepared, base = root / paths.PREPARED, root / paths.BASE_MODEL
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".prepare-"))
     try:
         (tmp / "prepared").mkdir()
         (tmp / "work").mkdir()
-        counts, token_stats = _build_phases(params, raw, tok, tmp / "work", tmp / "prepared", dropped, modified)
+        counts, token_stats = _build_phases(params, raw, tok, rendering, tmp / "work", tmp / "prepared", dropped,
+                                            modified, examples)
         shutil.rmtree(tmp / "work")
         tok.save_pretrained(tmp / "base")
         base_meta: dict[str, Any] = {"tokenizer_source": source_tokenizer_path(params.model) or "trained:demo"}
@@ -303,6 +370,10 @@ def prepare(params: Params, root: str | Path = ".") -> dict:
             "counts": counts,
             "dropped": dict(sorted(dropped.items())),
             "dropped_total": sum(dropped.values()),
+            "dropped_examples": examples,
+            "chat_template": rendering.name,
+            "templated": rendering.templated,
+            "truncation": truncation(params, rendering),
             "modified": dict(sorted(modified.items())),
             "hashes": hashes,
             "token_stats": token_stats,

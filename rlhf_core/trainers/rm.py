@@ -38,8 +38,10 @@ from rlhf_core.models.loading import (
     load_training_tokenizer,
 )
 from rlhf_core.models.scorer import ENSEMBLE_FILE, MEMBERS_DIR, EnsembleScorer
+from rlhf_core.models.value_head import ValueHeadModel
 from rlhf_core.ops import paths
 from rlhf_core.ops.atomic import write_json_atomic
+from rlhf_core.ops.input_links import sync_input_links
 from rlhf_core.ops.meta import write_meta_only
 from rlhf_core.trainers.common import (
     build_engine,
@@ -52,6 +54,7 @@ from rlhf_core.trainers.common import (
     run_metrics,
     stage_meta,
 )
+from rlhf_core.trainers.rm_external import adopt_external_rm
 from rlhf_core.trainers.rm_objectives import OBJECTIVES, ScoreFn, head_scores
 from rlhf_core.trainers.rm_parallel import fit_all
 from rlhf_core.trainers.rm_rounds import round_training_pairs
@@ -67,6 +70,14 @@ def encode_pairs(tokenizer, rows: dict, max_length: int, source: str) -> PairDat
     rejected = encode_sequences(tokenizer, rows["prompt"], rows["rejected"], max_length, source, "rm.max_length",
                                 rows["id"], keep_eos=True)
     return PairData(chosen, rejected)
+
+
+def pooled_at(model, pad_token_id: int | None):
+    """A value-head RM that scores at the token its saved checkpoint will be read at: transformers pools the
+    rightmost id that is not the config's ``pad_token_id``, and ``save_value_model`` writes the tokenizer's."""
+    if isinstance(model, ValueHeadModel) and pad_token_id is not None:
+        model.pad_token_id = pad_token_id
+    return model
 
 
 def make_rm_loss(loss_kind: str, margin: float, score_fn: ScoreFn = head_scores):
@@ -141,14 +152,17 @@ def train_rm(params: Params, root: str | Path = ".", log: LogFn | None = None, h
     them in this process). Returns the proxy RM's metrics (also ``metrics/rm.json``; the judge's are in
     ``metrics/rm_judge.json``)."""
     root, proxy = Path(root), for_round(params)
-    jobs = [(proxy, PROXY, "")]
+    if D.is_main():
+        sync_input_links(params, root)  # inputs/rm: DVC's view of rm.external (ops.input_links)
+    external = adopt_external_rm(proxy, root, log) if params.rm.external else None  # rm.external: no training
+    jobs = [(proxy, PROXY, "")] if external is None else []
     jobs += [(member_params(proxy, k), member_role(k), f"member{k}.") for k in range(1, params.rm.ensemble)]
     jobs += [(params, JUDGE, "judge.")] if params.rm.judge else []
 
     results = fit_all(fit_reward_model, jobs, root, log, params.rm.parallel, params.compute.num_threads,
                       params.compute.stop_grace_s, hooks,
-                      before_start=lambda: import_architecture(root / paths.BASE_MODEL))
-    metrics = results[0]
+                      before_start=lambda: import_architecture(root / paths.BASE_MODEL)) if jobs else []
+    metrics = external if external is not None else results[0]
     if params.rm.ensemble > 1:
         metrics = summarise_ensemble(proxy, root, results[:params.rm.ensemble], log)
     if params.rm.best_of_n:
@@ -243,7 +257,8 @@ def fit_reward_model(params: Params, root: Path, role: RMRole, log: LogFn | None
         eval_data = objective.targets(eval_data, evals, tokenizer, cfg)
     collate = objective.collate or collate_pairs
     plan, engine = build_engine(params, cfg, "rm.max_length", len(data),
-                                lambda: objective.build(params, root, init_kind, init_ref), init_source, tokenizer,
+                                lambda: pooled_at(objective.build(params, root, init_kind, init_ref),
+                                                  tokenizer.pad_token_id), init_source, tokenizer,
                                 max_length)
     score_fn = objective.scores(cfg)
 
