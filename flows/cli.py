@@ -25,6 +25,7 @@ from benchmarks.cli import bench_app
 from flows.local_pipeline import EarlyAPI, embedded_environment, ensure_dvc
 from rlhf_core.cli import SET_HELP, app, console, exit_lightly, fail, fail_config
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
+from rlhf_core.ops.telemetry import telemetry_off
 from rlhf_core.ops.tracking import importable
 from rlhf_core.stages.exit_codes import BAD_INPUT
 
@@ -401,6 +402,7 @@ ORCHESTRATION_VERBS = ("run", "register", "promote", "rollback", "export", "depl
 
 def main() -> None:
     """``rlhf``; the orchestration verbs say what to install where only the training core is (a stage image)."""
+    telemetry_off()  # DVC, MLflow, Prefect, the Hub: off unless set (rlhf_core/ops/telemetry.py)
     verb = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     if verb in ORCHESTRATION_VERBS:
         missing = [m for m in ("prefect", "sqlalchemy") if not importable(m)]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from flows.prefect_schema import restore
 from rlhf_core.ops.dvc_repro import stage_env
+from rlhf_core.ops.telemetry import telemetry_off
 
 EPHEMERAL_STARTUP_TIMEOUT_S = 300  # Prefect's default is 20 s
 DATABASE_URL_KEYS = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
@@ -30,6 +31,11 @@ def ensure_dvc(root: Path, workspace: str) -> None:
     if "local" not in listed.stdout.split():
         subprocess.run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "local", str(remote)],
                        cwd=root, check=True, env=stage_env())
+    analytics = subprocess.run([sys.executable, "-m", "dvc", "config", "core.analytics"], cwd=root,
+                               capture_output=True, text=True, env=stage_env())
+    if analytics.stdout.strip() != "false":  # DVC's own switch, in the workspace (telemetry_off sets the env one)
+        subprocess.run([sys.executable, "-m", "dvc", "config", "--local", "core.analytics", "false"], cwd=root,
+                       check=True, env=stage_env())
 
 
 def embedded_environment(root: Path, workspace: str) -> None:
@@ -49,8 +55,7 @@ def embedded_environment(root: Path, workspace: str) -> None:
         if not any(k in os.environ for k in DATABASE_URL_KEYS):
             restore(state / "prefect" / "prefect.db")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EPHEMERAL_STARTUP_TIMEOUT_S))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
+    telemetry_off()  # rlhf_core.ops.telemetry: the tools' own switches, a value set by the user wins
     os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
 
 

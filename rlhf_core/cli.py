@@ -23,6 +23,7 @@ from rich.markup import escape
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, ParamsFileMissing, load_params
 from rlhf_core.ops.dvc_remote import REMOTE_ENV
 from rlhf_core.ops.launch import LAUNCH_ENV, record_stopped, relaunch_command
+from rlhf_core.ops.telemetry import telemetry_off
 from rlhf_core.stages import CHECKPOINTED_STAGES, IDLE, STAGES, exit_codes
 
 app = typer.Typer(help="rlhf-ops: an RLHF pipeline (prepare, SFT, RM, PPO/GRPO, evaluate).",
@@ -236,6 +237,7 @@ def exit_lightly(command) -> None:
 
 
 def main() -> None:
+    telemetry_off()  # DVC, MLflow, Prefect, the Hub: off unless set (rlhf_core/ops/telemetry.py)
     exit_lightly(app)
 
 

@@ -98,7 +98,8 @@ def test_the_external_rm_is_used_as_it_is_and_never_written(workspace, user_rm_d
 def test_nothing_judged_means_nothing_promoted(workspace):
     out = " ".join((workspace["first"].stdout + workspace["first"].stderr).split())  # rich wraps long lines
     assert "registered actor: my-rlhf-actor v1" in out, out[-3000:]
-    assert "gate: FAILED (judge_gain_vs_reference=None" in out and "promoted: False" in out, out[-3000:]
+    assert "gate: FAILED (" in out and "judge_gain_vs_reference=None" in out, out[-3000:]
+    assert "judge: none; promoted: False; champion: vNone" in out, out[-3000:]
     assert "no judge scored the candidate" in out
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_core.ops.input_links import sync_from_params_file
+from rlhf_core.ops.telemetry import telemetry_off
 
 DVC_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)")
 STOP_GRACE_S = 30.0  # an interrupted caller gives its stage process this long to exit after SIGTERM
@@ -35,7 +36,7 @@ SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "fish"})  # what
 
 def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The caller's environment with this interpreter's bin dir first on PATH (so DVC's ``rlhf stage`` resolves)."""
-    env = dict(os.environ)
+    env = telemetry_off(dict(os.environ))  # no DVC analytics daemon after each repro (ops.telemetry)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra or {})
     return env

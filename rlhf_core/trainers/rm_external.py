@@ -19,11 +19,11 @@ from rlhf_core.engine import distributed as D
 from rlhf_core.models.reward_format import RewardModelFormatError
 from rlhf_core.models.scorer import RewardScorer
 from rlhf_core.ops import paths
-from rlhf_core.ops.atomic import commit_dir, make_temp_dir, write_json_atomic, write_text_atomic
+from rlhf_core.ops.atomic import commit_dir, make_temp_dir, write_text_atomic
 from rlhf_core.ops.integrity import seal_model_dir
 from rlhf_core.ops.meta import build_meta, dir_sha256, write_meta
 from rlhf_core.ops.model_card import CARD_FILE, render_model_card
-from rlhf_core.trainers.common import TrainingInputError, read_split
+from rlhf_core.trainers.common import TrainingInputError, read_split, write_outputs
 
 STAGE = "rm"
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -76,7 +76,7 @@ def adopt_external_rm(params: Params, root: Path, log=None) -> dict:
         seal_model_dir(Path(tmp))
         commit_dir(tmp, target)
         metrics["wall_time_s"] = round(time.perf_counter() - t_start, 2)
-        write_json_atomic(root / paths.METRICS / f"{STAGE}.json", metrics)
+        write_outputs(root, STAGE, metrics, f"{STAGE}_accuracy.csv", [], ("step", "accuracy", "loss"))  # no curve
         if log is not None:
             log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, 0)
     D.barrier()
