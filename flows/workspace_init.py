@@ -23,7 +23,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import yaml
+
 import flows
+from flows.local_pipeline import ensure_dvc
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 from rlhf_core.data.readers import DataError
 from rlhf_core.ops.input_links import sync_input_links
@@ -102,8 +105,6 @@ def render_params(name: str, model: str | None, files: dict[str, str | None], rm
 def filled_in(text: str, params) -> str:
     """``params.yaml`` as DVC's stages need it, every key filled in (a stage whose params are missing from the
     file is refused), under ``text`` (what ``rlhf init`` was given, and what is left to decide) as comments."""
-    import yaml
-
     notes = "\n".join(f"# {line}" if line and not line.startswith("#") else line for line in text.splitlines())
     return (f"{notes}\n# ---- every key, filled in with its default where not given above (DVC reads each stage's "
             "keys here) ----\n" + yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False, allow_unicode=True))
@@ -121,8 +122,6 @@ def init_workspace(
     """Lay out the workspace ``target`` (see the module doc); returns it. ``DataError`` / ``ConfigError`` name what
     is wrong, before anything is written: a non-empty ``target`` (unless ``force``: the pipeline files are written
     over, the rest stays), a missing file, params that do not validate, a source tree without the pipeline files."""
-    from flows.local_pipeline import ensure_dvc
-
     missing = [f for f in (*COPIED, DEFAULT_PARAMS) if not (SOURCE_ROOT / f).is_file()]
     if missing:
         raise DataError(

@@ -28,7 +28,13 @@ from pathlib import Path
 
 import yaml
 
+from rlhf_core.models.implicit_reward import is_implicit
+from rlhf_core.models.loading import load_causal_lm, save_causal_lm, save_value_model
+from rlhf_core.models.reward_format import load_value_model
+from rlhf_core.models.scorer import ENSEMBLE_FILE
+from rlhf_core.models.value_head import ValueHeadModel
 from rlhf_core.ops.meta import META_FILE
+from rlhf_core.ops.model_card import render_export_card
 
 CHAMPION = "champion"
 KINDS = ("actor", "critic", "reward")
@@ -95,8 +101,6 @@ def _write_actor(local: Path, out: Path) -> str | None:
     """Weights and tokenizer of an ``mlflow.transformers`` actor; returns the registered model card, if any."""
     from transformers import AutoTokenizer
 
-    from rlhf_core.models.loading import load_causal_lm, save_causal_lm
-
     flavor = (yaml.safe_load((local / "MLmodel").read_text()).get("flavors") or {}).get("transformers")
     if flavor is None:
         raise ExportError(f"{local}: the registered actor is not an mlflow.transformers model")
@@ -117,11 +121,6 @@ def _write_scorer(local: Path, out: Path, label: str) -> tuple[str | None, dict]
     returns its model card and ``rlhf_meta.json``."""
     from transformers import AutoTokenizer
 
-    from rlhf_core.models.implicit_reward import is_implicit
-    from rlhf_core.models.loading import save_value_model
-    from rlhf_core.models.reward_format import load_value_model
-    from rlhf_core.models.scorer import ENSEMBLE_FILE
-    from rlhf_core.models.value_head import ValueHeadModel
 
     flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
     folder = local / flavor["artifacts"]["model"]["path"]
@@ -157,7 +156,6 @@ def export_version(
     aliases, run_id, source, tags)."""
     import mlflow
 
-    from rlhf_core.ops.model_card import render_export_card
 
     found = find_version(uri, name, alias, version)
     kind = _kind(name, found)

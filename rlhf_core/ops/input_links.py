@@ -23,7 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
-from rlhf_core.config import Params
+from rlhf_core.config import ConfigError, Params, load_params
 
 INPUTS = Path("inputs")
 GROUPS = ("data", "model", "rm")
@@ -116,8 +116,6 @@ def _clear(entry: Path) -> None:
 def sync_from_params_file(root: str | Path = ".") -> None:
     """``sync_input_links`` for ``root/params.yaml``, before DVC compares the deps (``dvc_repro.run_repro``).
     Params that do not load are left to the stage, which names the key; the folders exist either way."""
-    from rlhf_core.config import ConfigError, load_params
-
     root = Path(root)
     try:
         params = load_params(root / "params.yaml")

@@ -253,9 +253,12 @@ def delete_flow_run_jobs(flow_run_id: str, namespace: str = NAMESPACE, batch_api
     try:
         jobsets = custom_api.list_namespaced_custom_object(group, version, namespace, plural,
                                                            label_selector=selector).get("items") or []
-    except ApiException as err:
-        if err.status != 404:
+    except ApiException as err:  # 404: no JobSet API; 403: a Role without jobsets. The Jobs still go.
+        if err.status not in (403, 404):
             raise
+        if err.status == 403:
+            emit(f"could not list jobsets of flow run {flow_run_id} in {namespace} (403 {err.reason}): "
+                 "deleting its Jobs; the Role needs jobset.x-k8s.io/jobsets (k8s/base/rbac.yaml)")
         jobsets = []
     for js in jobsets:
         if _jobset_condition(js)[0] is None:

@@ -31,6 +31,8 @@ def dvc_repo(tmp_path):
     root.mkdir()
     shutil.copytree(REPO / "rlhf_core", root / "rlhf_core", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
+    for group in ("data", "model", "rm"):  # committed in a clone (inputs/*/.gitkeep): the stages' link deps
+        (root / "inputs" / group).mkdir(parents=True)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["data"]["demo"]["n_rows"] = 300
     params["compute"]["num_threads"] = 1  # the test workers share the cores

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,7 @@ def mlflow_uri(tmp_path_factory):
         import mlflow
 
         mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment("Default")  # not an experiment id cached from another module's server
         yield uri
         if old is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -113,6 +115,7 @@ def test_register_dedupe_promote_rollback_and_load(mlflow_uri, tmp_path):
 
 
 def test_unreachable_mlflow_fails_fast_before_training(tmp_path):
+    shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")  # a workspace (else `rlhf run` refuses it first)
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "run"], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "PYTHONPATH": str(REPO),
                                "RLHF_TRACKING": "on"}, timeout=120)
