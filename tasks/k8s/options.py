@@ -13,6 +13,7 @@ from typing import get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from rlhf_core.ops.launch import KUBELET_MARGIN_S
 from rlhf_core.stages import STAGE_NAMES
 from tasks.k8s.names import (
     BACKOFF_LIMIT,
@@ -92,6 +93,13 @@ class StageJobOptions:
         check_labels("annotations", self.annotations or {}, values=False)
         if self.termination_grace_s < 0:
             raise ValueError(f"termination_grace_s must be >= 0 (got {self.termination_grace_s})")
+        if (self.nnodes > 1 or nproc > 1) and self.termination_grace_s <= KUBELET_MARGIN_S:
+            raise ValueError(f"termination_grace_s {self.termination_grace_s} leaves the launcher's workers no "
+                             "time to checkpoint after a SIGTERM: it gets the grace less the kubelet's "
+                             f"{KUBELET_MARGIN_S} s "
+                             f"(--shutdown-timeout={self.termination_grace_s - KUBELET_MARGIN_S}); give more than "
+                             f"{KUBELET_MARGIN_S} s, and more than compute.stop_grace_s + {KUBELET_MARGIN_S} for the "
+                             "stage to reach its checkpoint")
         if self.queue is not None:
             check_name("queue", self.queue)
         if self.priority_class is not None:
