@@ -222,11 +222,11 @@ def _build_phases(params: Params, raw: dict[str, Stream], tok, rendering: Render
             phase_of[idx] = k
         return phase_of
 
-    def filtered(rows: RowFile, phase_of: np.ndarray, tag: str, key: str) -> dict[str, tuple[RowFile, Lengths]]:
+    def filtered(rows: RowFile, phase_of: np.ndarray, key: str) -> dict[str, tuple[RowFile, Lengths]]:
         """``key``'s rows, by phase (a per_phase source's own phase only, even with no rows left)."""
         wanted = ([key] if key in paths.PHASES else
                   [ph for k, ph in enumerate(paths.PHASES) if (phase_of == k).any() or phase_of.size == 0])
-        files = {ph: RowFile(work / f"{tag}-{ph}.parquet", PHASE_COLUMNS[ph]) for ph in wanted}
+        files = {ph: RowFile(work / f"{key}-{ph}.parquet", PHASE_COLUMNS[ph]) for ph in wanted}
         lengths = {ph: Lengths() for ph in wanted}
         dedupe = {ph: Deduper(ph) for ph in wanted}
         offset, counter = 0, by_source[key]
@@ -255,15 +255,15 @@ def _build_phases(params: Params, raw: dict[str, Stream], tok, rendering: Render
     by_phase: dict[str, tuple[RowFile, Lengths]] = {}
     if "mixed" in raw:
         rows = canon("mixed")
-        by_phase = filtered(rows, phases_of(rows, None), "main", "mixed")
+        by_phase = filtered(rows, phases_of(rows, None), "mixed")
     else:
         for ph in paths.PHASES:
             rows = canon(ph)
-            by_phase |= filtered(rows, phases_of(rows, ph), "main", ph)
+            by_phase |= filtered(rows, phases_of(rows, ph), ph)
     held_out = None
     if "held_out" in raw:
         rows = canon("held_out")
-        held_out = filtered(rows, phases_of(rows, None), "held_out", "held_out")
+        held_out = filtered(rows, phases_of(rows, None), "held_out")
     for counter in by_source.values():
         dropped.update(counter)
 
