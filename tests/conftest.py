@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,15 @@ def workspace(tmp_path, monkeypatch):
     """A scratch working directory (stages write relative to the cwd)."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def rlhf_cli(*args: str, cwd: Path, env: dict | None = None,
+             unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``rlhf ARGS`` (``python -m flows.cli``) in ``cwd`` with this checkout importable, stdout and stderr as one
+    text; ``env`` added to the environment, ``unset`` removed from it."""
+    full = {k: v for k, v in os.environ.items() if k not in unset} | {"PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=full, timeout=300)
 
 
 def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] | None = None) -> Path:

@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from tests.conftest import write_jsonl
+from tests.conftest import rlhf_cli, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def rlhf(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
-        env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    return rlhf_cli(*args, cwd=cwd, unset=("PREFECT_API_URL", "MLFLOW_TRACKING_URI"))
 
 
 def user_files(tmp_path: Path) -> dict[str, Path]:

@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.conftest import rlhf_cli
 from tests.tasks.test_registry import mlflow_uri, tiny_actor  # noqa: F401  (the module's server fixture)
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-def rlhf(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-        timeout=300,
-    )
 
 
 def test_export_writes_the_champion_as_a_hub_folder_that_transformers_loads(mlflow_uri, tmp_path):  # noqa: F811
@@ -47,7 +31,7 @@ def test_export_writes_the_champion_as_a_hub_folder_that_transformers_loads(mlfl
     promote("export-actor", reg.version, "passed evaluation gate (judge: checker)")
 
     out = tmp_path / "exported"
-    done = rlhf("export", "--name", "export-actor", "--out", str(out), cwd=tmp_path)
+    done = rlhf_cli("export", "--name", "export-actor", "--out", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stdout
     assert f"exported export-actor v{reg.version} (actor) to {out}" in done.stdout
     model, exported_tok = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
@@ -65,7 +49,7 @@ def test_export_writes_the_champion_as_a_hub_folder_that_transformers_loads(mlfl
     meta = json.loads((out / "rlhf_meta.json").read_text())["registry"]
     assert (meta["name"], meta["version"], meta["aliases"]) == ("export-actor", reg.version, ["challenger", "champion"])
 
-    again = rlhf("export", "--name", "export-actor", "--out", str(out), cwd=tmp_path)  # the folder holds files now
+    again = rlhf_cli("export", "--name", "export-actor", "--out", str(out), cwd=tmp_path)  # the folder holds files now
     assert again.returncode == 65 and "is not empty; give a new folder or --force" in again.stdout
 
 
@@ -81,7 +65,7 @@ def test_export_of_a_reward_model_is_a_sequence_classifier_with_the_same_scores(
 
     reg = register_model_dir("reward", user_rm_dir, "export-reward", {})
     out = tmp_path / "rm"
-    done = rlhf("export", "--name", "export-reward", "--version", reg.version, "--out", str(out), cwd=tmp_path)
+    done = rlhf_cli("export", "--name", "export-reward", "--version", reg.version, "--out", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stdout
     tok = AutoTokenizer.from_pretrained(out)
     batch = tok(["hot and cold", "a longer text about the weather today"], return_tensors="pt", padding=True)
@@ -103,9 +87,9 @@ def test_export_names_what_is_missing(mlflow_uri, tmp_path):  # noqa: F811
         (("--name", "unpromoted-actor", "--version", "7"), "unpromoted-actor has no version 7 (versions: 1)"),
     ]
     for args, message in cases:
-        done = rlhf("export", *args, "--out", str(tmp_path / "x"), cwd=tmp_path)
+        done = rlhf_cli("export", *args, "--out", str(tmp_path / "x"), cwd=tmp_path)
         assert done.returncode == 65 and message in done.stdout, (args, done.stdout)
-    offline = rlhf(
+    offline = rlhf_cli(
         "export",
         "--name",
         "unpromoted-actor",
