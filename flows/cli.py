@@ -7,6 +7,7 @@ adds ``run``, ``register``, ``promote``, ``rollback``, ``export``, ``deploy`` an
 Exit codes: 0 done (also when the gate rejected the candidate, unless
 ``--strict-gate``), 1 a stage or task failed, 2 bad usage or config,
 3 MLflow unreachable, 4 gate rejected with ``--strict-gate``, 5 another ``rlhf run`` holds the workspace,
+130 / 143 stopped by SIGINT / SIGTERM (everything the run started is stopped first),
 65 input refused (``init``: a non-empty folder, a missing file; ``export``: no such model, alias or version, a
 push the Hub refused).
 """
@@ -14,6 +15,7 @@ push the Hub refused).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,7 @@ from rich.table import Table
 import flows.cli_workspace  # noqa: F401  (registers `rlhf init` and `rlhf export`)
 from benchmarks.cli import bench_app
 from flows.local_pipeline import EarlyAPI, embedded_environment, ensure_dvc
+from flows.termination import Terminated, sigterm_unwinds
 from rlhf_core.cli import SET_HELP, app, console, exit_lightly, fail, fail_config
 from rlhf_core.config import DEFAULT_PARAMS, ConfigError, load_params
 from rlhf_core.ops.telemetry import telemetry_off
@@ -121,23 +124,30 @@ def run_cmd(
     from flows.workspace_lock import WorkspaceBusy, workspace_lock
 
     try:
-        with workspace_lock(params.project.workspace):
+        with sigterm_unwinds(), workspace_lock(params.project.workspace):
             api = EarlyAPI()  # boots while the workspace is set up
-            if backend == "local":
-                ensure_dvc(Path("."), params.project.workspace)
-            from flows.pipeline import rlhf_pipeline
+            try:
+                if backend == "local":
+                    ensure_dvc(Path("."), params.project.workspace)
+                from flows.pipeline import rlhf_pipeline
 
-            api.join()
+                api.join()
 
-            if rounds:
-                from flows.rounds import rlhf_rounds
+                if rounds:
+                    from flows.rounds import rlhf_rounds
 
-                done = rlhf_rounds(rounds=rounds, overrides=set_ or None, backend=backend, promote=promote,
-                                   params_file=params_file)
-                print_rounds(done)
-                return
-            summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend,
-                                    promote=promote, force=force, params_file=params_file)
+                    done = rlhf_rounds(rounds=rounds, overrides=set_ or None, backend=backend, promote=promote,
+                                       params_file=params_file)
+                    print_rounds(done)
+                    return
+                summary = rlhf_pipeline(stages=stages or None, overrides=set_ or None, backend=backend,
+                                        promote=promote, force=force, params_file=params_file)
+            finally:
+                api.stop()
+    except (Terminated, KeyboardInterrupt) as err:  # flows.termination: the server is stopped, the lock freed
+        signum = err.signum if isinstance(err, Terminated) else signal.SIGINT
+        fail(f"stopped by {signal.Signals(signum).name}; `rlhf run` again resumes from the last checkpoint",
+             code=128 + signum)
     except WorkspaceBusy as err:
         fail(str(err), code=5)
     except TrackingUnavailable as err:

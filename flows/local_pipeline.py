@@ -86,6 +86,21 @@ class EarlyAPI:
         except Exception as err:  # handed to join()
             self.error = err
 
+    def stop(self) -> None:
+        """Stop the server, started or still starting (a run that ends early must not leave it behind), once the
+        flow's logs and events have gone to it: a log worker left with records for a stopped server retried for a
+        minute before the process could exit."""
+        if self.server is None:
+            return
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        for worker in (APILogWorker, EventsWorker):
+            worker.drain_all(timeout=5)
+        self.server.stop()
+        self._thread.join(timeout=5)  # a start under way may have spawned it after the first stop
+        self.server.stop()
+
     def join(self) -> str | None:
         """The server's API URL once it answers (None: none was started here)."""
         if self.server is None:
