@@ -81,12 +81,19 @@ def _metric_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
-def stage_job_options(wanted: list[str], k8s, k8s_stages: dict | None, flow_run_id: str | None) -> dict[str, dict]:
-    """Every wanted stage's Job options, validated before anything runs, labelled with the flow run."""
+def stage_job_options(wanted: list[str], k8s, k8s_stages: dict | None, flow_run_id: str | None,
+                      feedback_round: int = 0) -> dict[str, dict]:
+    """Every wanted stage's Job options, validated before anything runs, labelled with the flow run.
+
+    Round 0's feedback stage has nothing to collect (it writes its empty manifest and exits): it runs as one
+    process with no GPU, whatever ``k8s`` asks of every stage, unless ``k8s_stages.feedback`` sets ``gpus``."""
     unknown = sorted(set(k8s_stages or {}) - set(STAGE_NAMES))
     if unknown:
         raise ValueError(f"k8s_stages: unknown stages {unknown}; expected some of {list(STAGE_NAMES)}")
     options = {stage: flow_stage_options(stage, k8s, k8s_stages) for stage in wanted}
+    if "feedback" in options and feedback_round == 0 and "gpus" not in ((k8s_stages or {}).get("feedback") or {}):
+        idle = {k: v for k, v in options["feedback"].items() if k not in ("nnodes", "nproc_per_node", "multinode")}
+        options["feedback"] = {**idle, "gpus": 0}
     if flow_run_id:
         for opts in options.values():
             opts["labels"] = {**(opts.get("labels") or {}), FLOW_RUN_LABEL: flow_run_id}
@@ -161,7 +168,8 @@ def _pipeline(stages: list[str] | None, overrides: list[str] | None, backend: st
         raise ValueError(f"unknown stages {unknown}; expected a subset of {list(STAGE_NAMES)}")
     if backend != "kubernetes" and (k8s or k8s_stages):
         raise ValueError("k8s / k8s_stages set Kubernetes stage Jobs; they need backend='kubernetes'")
-    job_options = stage_job_options(wanted, k8s, k8s_stages, flow_run.get_id()) if backend == "kubernetes" else {}
+    job_options = stage_job_options(wanted, k8s, k8s_stages, flow_run.get_id(), params.feedback.round) \
+        if backend == "kubernetes" else {}
     remote = pipeline_dvc_remote(k8s, k8s_stages) if backend == "kubernetes" else None
     if remote:  # the stage pods run `rlhf repro` with the params the flow publishes to the remote's state
         publish_params(root_path, remote)

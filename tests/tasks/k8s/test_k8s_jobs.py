@@ -551,6 +551,27 @@ def test_flow_k8s_parameters_are_typed_validated_and_labelled():
         stage_job_options(["sft"], None, {"train": {}}, None)
 
 
+def test_the_idle_round_0_feedback_stage_asks_for_no_gpu():
+    """Round 0's feedback stage writes an empty manifest: its Job requests no GPU and lands on any node, whatever
+    ``k8s`` sets for every stage; a feedback round (>= 1) samples the champion and keeps its GPUs, and
+    ``k8s_stages.feedback.gpus`` wins at round 0 too."""
+    from flows.pipeline import stage_job_options
+    from tasks.k8s.options import StageJobSettings
+
+    common = StageJobSettings(gpus=8, queue="q")
+
+    def feedback_job(round_: int, per_stage: dict | None = None) -> dict:
+        options = stage_job_options(["feedback", "rlhf"], common, per_stage, None, feedback_round=round_)
+        assert options["rlhf"]["gpus"] == 8
+        return render_stage_job(StageJobOptions.from_dict("feedback", options["feedback"]))
+
+    idle = feedback_job(0)
+    assert names.GPU_RESOURCE not in json.dumps(idle) and "nodeSelector" not in idle["spec"]["template"]["spec"]
+    assert idle["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == "q"  # the rest of the settings stay
+    for job, gpus in ((feedback_job(1), "8"), (feedback_job(0, {"feedback": {"gpus": 1}}), "1")):
+        assert _container(job)["resources"]["limits"][names.GPU_RESOURCE] == gpus
+
+
 def test_prefect_yaml_deployment_parameters_validate_against_the_flow():
     """Every deployment's parameters in prefect.yaml pass the flow's own validation, and the Kubernetes one
     yields valid stage Jobs (so a typo there fails here, not at 3 am on the cluster)."""
