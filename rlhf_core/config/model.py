@@ -88,7 +88,8 @@ class ComputeConfig(Section):
                            "`zero_stage` >= 1; no effect in fp32 (the CPU).")
     grad_clip: float = Field(1.0, gt=0.0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0: all cores split over local processes.")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0: the usable cores (affinity, capped by the "
+                                                  "cgroup's CPU quota) split over local processes.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel passed to transformers.")
     stop_grace_s: float = Field(

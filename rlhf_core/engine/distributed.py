@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf_core.engine.cpus import usable_cores
 from rlhf_core.engine.jit_ops import op_build_guard
 
 
@@ -196,8 +197,9 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def set_num_threads(requested: int) -> int:
-    """``compute.num_threads`` or, when 0, the cores split evenly over this node's processes."""
-    n = requested or max(1, (os.cpu_count() or 1) // max(1, local_world_size()))
+    """``compute.num_threads`` or, when 0, the usable cores (the affinity, capped by the cgroup's CPU quota:
+    :mod:`rlhf_core.engine.cpus`) split evenly over this node's processes."""
+    n = requested or max(1, usable_cores() // max(1, local_world_size()))
     if not torch.cuda.is_available() or requested:
         torch.set_num_threads(n)
     return torch.get_num_threads()

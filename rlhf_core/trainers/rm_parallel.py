@@ -53,6 +53,7 @@ import torch.distributed as dist
 from rlhf_core.config import Params
 from rlhf_core.engine import distributed as D
 from rlhf_core.engine import stop
+from rlhf_core.engine.cpus import usable_cores
 from rlhf_core.engine.loop import Hooks, LogFn
 
 PR_SET_PDEATHSIG = 1
@@ -62,10 +63,6 @@ Job = tuple[Params, object, str]  # (params, RMRole, the prefix of its logged me
 FitFn = Callable[..., dict]  # fit_reward_model: (params, root, role, log, hooks=None, before_save=None)
 _log_queue = None
 _first_saved = None  # an Event: the first job has saved its model
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def worker_count(requested: int, threads: int, jobs: int, world_size: int, cuda: bool) -> int:
