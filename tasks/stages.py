@@ -21,7 +21,7 @@ from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
 from rlhf_core.ops.dvc_remote import fetch_state
-from rlhf_core.ops.dvc_repro import ran_marker, run_repro, stage_env
+from rlhf_core.ops.dvc_repro import reports_run, run_repro, stage_env
 from rlhf_core.ops.flow_watch import FLOW_PID_ENV
 from rlhf_core.ops.paths import METRICS
 from rlhf_core.stages import STAGE_TIMEOUT_S, exit_codes
@@ -55,7 +55,7 @@ def kubernetes_stage(stage: str, root: Path, env: dict[str, str] | None, k8s: di
 
     def log(line: str) -> None:
         echo(line)
-        if ran_marker(stage) in line:
+        if reports_run(stage, line):
             seen.append(True)
 
     submit_stage_job(stage, env=env, log=log, **k8s)

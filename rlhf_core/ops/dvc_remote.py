@@ -11,8 +11,10 @@ live on the remote: the data in DVC's own layout under ``URL``, the rest as plai
 2. the state is downloaded: ``dvc.lock``, the uncached outputs, and ``params.yaml`` unless the caller gives one;
 3. ``dvc repro --single-item STAGE --pull``: DVC pulls the inputs the workspace lacks and skips the stage when
    nothing it depends on changed (then it also pulls the stage's outputs);
-4. after a run: ``dvc push STAGE`` (its outputs), then the state is uploaded, ``dvc.lock`` last, so the state
-   never names data the remote lacks.
+4. after a run, a run-cache restore, or when the workspace's lock entry for the stage is ahead of the state's
+   (an earlier attempt here ran, then its push failed): ``dvc push STAGE`` (its outputs), then, if the state's
+   ``dvc.lock`` is still the one fetched in step 2, the state is uploaded, ``dvc.lock`` last, so the state never
+   names data the remote lacks and a lock another writer published meanwhile is not overwritten.
 
 The stages of one pipeline run one after another (a flow holds its workspace slot), so the state has one
 writer at a time. :func:`pull_outputs` is the reader's side: the registering flow fetches models from the
@@ -164,6 +166,22 @@ class RemoteState:
             found.append(name)
         return found
 
+    def read(self, name: str) -> bytes | None:
+        self.fs.invalidate_cache()
+        remote = self._remote(name)
+        return self.fs.cat_file(remote) if self.fs.exists(remote) else None
+
+    def refuse_if_changed(self, name: str, fetched: bytes | None) -> None:
+        """Raise :class:`RemoteStateError` when ``name`` is no longer what this run fetched: another writer
+        published in between, and uploading now would drop its stage from the lock (last writer wins). The
+        check and the upload are two requests, so this narrows the race rather than closing it; one flow per
+        remote (the flow's concurrency limit) closes it."""
+        now = self.read(name)
+        if now != fetched:
+            raise RemoteStateError(f"{self.where}/{name} changed while this stage ran (another pipeline on the same "
+                                   "remote?): not overwriting it; the outputs are pushed, re-run the stage to "
+                                   "publish them on top of the new state")
+
     def upload(self, root: Path, names: Sequence[str]) -> list[str]:
         """Put each of ``names`` that exists in ``root`` into the state; returns those uploaded."""
         sent = []
@@ -203,15 +221,28 @@ def repro(stage: str, root: Path, url: str, params_file: Path | None = None, for
         raise RemoteStateError(f"{state.where}/{PARAMS} does not exist: pass --params FILE (it is uploaded with "
                                "the stage's results) or start the pipeline from the flow, which uploads it",
                                missing_params=True)
+    state_lock = (root / LOCK).read_bytes() if LOCK in fetched else None
     outcome = run_repro(stage, root, stage_env(), echo, force=force, extra_args=["--pull"], started=started)
     if outcome.returncode != 0:
         return outcome
-    if outcome.status == "ran":
+    behind = locked_entry(root / LOCK, stage) != locked_entry_of(state_lock, stage)
+    publish = outcome.status == "ran" or behind  # behind: an earlier attempt here ran and failed to publish
+    if publish:
         _checked(_dvc(root, "push", stage), f"dvc push {stage} to {url}")
+        state.refuse_if_changed(LOCK, state_lock)
     sent = state.upload(root, [PARAMS] * (params_file is not None)
-                        + (uncached_outputs(stages, stage) + [LOCK]) * (outcome.status == "ran"))
+                        + (uncached_outputs(stages, stage) + [LOCK]) * publish)
     echo(f"state {state.where}: uploaded {', '.join(sent) or 'nothing (the stage was up to date)'}")
     return outcome
+
+
+def locked_entry_of(lock: bytes | None, stage: str) -> dict | None:
+    """Stage ``stage``'s entry in the text of a ``dvc.lock`` (None: no lock, or the stage not in it)."""
+    return ((yaml.safe_load(lock) or {}).get("stages") or {}).get(stage) if lock else None
+
+
+def locked_entry(path: Path, stage: str) -> dict | None:
+    return locked_entry_of(path.read_bytes() if path.is_file() else None, stage)
 
 
 def fetch_state(root: Path, url: str) -> list[str]:

@@ -7,8 +7,10 @@ exits 75), then SIGKILL after ``STOP_GRACE_S``.
 
 Outcome, from DVC's own lines:
 
-- ``ran``: DVC printed ``Running stage 'NAME':`` (it prints it for every stage it executes, ``--force`` too);
-  otherwise the stage was up to date. (``--pull`` of an up-to-date stage prints "Data and pipelines are up to
+- ``ran``: DVC printed ``Running stage 'NAME':`` (it prints it for every stage it executes, ``--force`` too) or
+  restored the stage's outputs from its run-cache (``Stage 'NAME' is cached - skipping run``: params 1 -> 2 -> 1
+  brings back the outputs of 1, which downstream stages and the remote must see as new); otherwise the stage
+  was up to date. (``--pull`` of an up-to-date stage prints "Data and pipelines are up to
   date." without the usual "didn't change, skipping", so the absence of the run line is what counts.)
 - the stage's own exit code: DVC exits 255 for any failed stage and prints ``failed to run: CMD, exited
   with N``; :func:`stage_exit_code` reads N back (``None`` when DVC failed before running anything).
@@ -42,8 +44,9 @@ def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def ran_marker(stage: str) -> str:
-    return f"Running stage '{stage}'"
+def reports_run(stage: str, line: str) -> bool:
+    """Whether DVC's output ``line`` says it ran ``stage`` or restored it from the run-cache (module docstring)."""
+    return f"Running stage '{stage}'" in line or f"Stage '{stage}' is cached - skipping run" in line
 
 
 def stage_exit_code(lines: Sequence[str]) -> int | None:
@@ -91,7 +94,7 @@ def run_repro(stage: str, root: Path, env: dict[str, str], echo: Callable[[str],
             if not line:
                 continue
             echo(line)
-            ran |= ran_marker(stage) in line
+            ran |= reports_run(stage, line)
             tail = (tail + [line])[-TAIL_LINES:]
         proc.wait()
     finally:

@@ -175,3 +175,66 @@ def test_the_real_prepare_stage_runs_once_across_pods(tmp_path, s3, monkeypatch)
     bytecode.mkdir()
     (bytecode / "prepare.cpython-311.pyc").write_bytes(b"\x00" * 64)  # torchrun's `-m` imports the copy
     assert "prepare skipped" in repro(tmp_path / "pod2", "prepare", remote)
+
+
+def _locked(pod: Path) -> dict:
+    return yaml.safe_load((pod / "dvc.lock").read_text())["stages"]
+
+
+def _state_lock(prefix: str) -> dict:
+    body = boto3.client("s3").get_object(Bucket=BUCKET, Key=f"{prefix}/{STATE_DIR}/dvc.lock")["Body"].read()
+    return yaml.safe_load(body)["stages"]
+
+
+def test_a_push_that_failed_is_published_by_the_retry(toy, tmp_path):
+    """The first attempt runs the stage and its `dvc push` fails (the remote cannot take the objects); the retry
+    in the same workspace finds the stage up to date (or restores it from the run-cache) and must still push and
+    publish it: before, it said "skipped" and left the remote with neither the data nor the lock."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "files").write_text("not a folder")  # DVC's objects go under files/md5/: the push fails
+    params = str(tmp_path / "params.yaml")
+    out = repro(tmp_path / "pod", "a", str(remote), "--params", params, expect=1)
+    assert "Running stage 'a'" in out and "dvc push a" in out
+    assert not (remote / STATE_DIR / "dvc.lock").exists()
+    (remote / "files").unlink()  # the remote is back
+    out = repro(tmp_path / "pod", "a", str(remote), "--params", params)  # the flow's retry
+    assert "uploaded params.yaml, metrics/a.json, dvc.lock" in out, out
+    assert "a" in yaml.safe_load((remote / STATE_DIR / "dvc.lock").read_text())["stages"]
+    repro(tmp_path / "fresh", "b", str(remote))  # a's output now comes from the remote
+    assert (tmp_path / "fresh" / "outb").read_text() == "v1\n"
+
+
+def test_params_1_2_1_leaves_the_state_at_1(toy, tmp_path):
+    """Params 1 -> 2 -> 1 in one workspace: the third run restores 1's outputs from DVC's run-cache ("is cached -
+    skipping run"). That is a run for the remote: before, it was reported skipped, and the state kept params 1
+    beside 2's lock."""
+    remote, prefix, params = f"s3://{BUCKET}/oscillate", "oscillate", tmp_path / "params.yaml"
+    pod = tmp_path / "pod"
+    for x in (1, 2, 1):
+        params.write_text(f"a: {{x: {x}}}\n")
+        out = repro(pod, "a", remote, "--params", str(params))
+    assert "Stage 'a' is cached - skipping run" in out and "a ran" in out, out
+    assert _state_lock(prefix)["a"]["params"]["params.yaml"]["a"] == {"x": 1} == \
+        _locked(pod)["a"]["params"]["params.yaml"]["a"]
+
+
+def test_a_lock_published_by_another_writer_meanwhile_is_not_overwritten(toy, tmp_path):
+    """Two pipelines on one remote: while this pod's stage runs, another pod publishes stage b. This pod's
+    upload would drop b from the state's lock (last writer wins): it is refused, naming the lock, and the other
+    writer's lock stays."""
+    from rlhf_core.ops.dvc_remote import RemoteStateError
+    from rlhf_core.ops.dvc_remote import repro as repro_in_process
+
+    remote, prefix, params = f"s3://{BUCKET}/race", "race", tmp_path / "params.yaml"
+    repro(tmp_path / "pod1", "a", remote, "--params", str(params))
+    changed = tmp_path / "params-2.yaml"
+    changed.write_text("a: {x: 2}\n")
+
+    def meanwhile(_proc) -> None:  # this stage is running: the other pipeline publishes b
+        repro(tmp_path / "other", "b", remote)
+
+    with pytest.raises(RemoteStateError, match=rf"{STATE_DIR}/dvc.lock changed while this stage ran"):
+        repro_in_process("a", tmp_path / "pod2", remote, changed, echo=lambda _line: None, started=meanwhile)
+    state = _state_lock(prefix)
+    assert set(state) == {"a", "b"} and state["a"]["params"]["params.yaml"]["a"] == {"x": 1}
