@@ -138,11 +138,12 @@ def rlhf_pipeline(
     With ``k8s.dvc_remote`` the stage Jobs run under DVC against that remote (``rlhf_core/ops/dvc_remote.py``): this
     flow publishes its params there and pulls the models to register from there, not from a shared volume.
     Only transient stage failures are retried (``retries`` times, ``tasks.retry_policy``). The whole run holds
-    its project directory's slot of a global concurrency limit (``flows/workspace_slot.py``): runs of any
-    deployment on one workspace go one at a time.
+    its project directory's slot of a global concurrency limit, and its DVC remote's (``flows/workspace_slot.py``):
+    runs of any deployment on one workspace, or on one remote, go one at a time.
     """
-    with workspace_slot(root) as slot:
-        get_run_logger().info(f"holding the workspace's concurrency slot {slot}")
+    remote = pipeline_dvc_remote(k8s, k8s_stages) if backend == "kubernetes" else None
+    with workspace_slot(root, remote) as slots:
+        get_run_logger().info(f"holding the concurrency slots {', '.join(slots)}")
         return _pipeline(stages, overrides, backend, promote, force, root, params_file, retries, retry_delay_s, k8s,
                          k8s_stages)
 

@@ -8,6 +8,11 @@ there fail on DVC's lock. So every flow run holds the one slot of the global con
 mounting one workspace PVC at one path); other directories get their own. It is created with limit 1 on first
 use; an operator may raise it or deactivate it, and it is not recreated. A run that dies without releasing its
 slot holds it until the lease expires (``LEASE_S``; the holder renews it while it runs).
+
+Under a DVC remote (``k8s.dvc_remote``) the run also holds ``rlhf-dvc-remote-<hash of the URL>``: two pipelines
+in different workspaces (two clusters, a laptop and a cluster) on one remote would otherwise publish their
+``dvc.lock`` over each other's (``rlhf_core/ops/dvc_remote.py`` refuses an upload over a lock that changed, this
+keeps them from getting there). Both slots are taken in one request, so two runs cannot each hold one.
 """
 
 from __future__ import annotations
@@ -40,10 +45,16 @@ def ensure_limit(name: str) -> None:
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=LIMIT))
 
 
+def remote_limit_name(url: str) -> str:
+    return "rlhf-dvc-remote-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
+
+
 @contextlib.contextmanager
-def workspace_slot(root: str | Path) -> Iterator[str]:
-    """Hold the project directory's slot for the block (waiting for it); yields the limit's name."""
-    name = limit_name(root)
-    ensure_limit(name)
-    with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S):
-        yield name
+def workspace_slot(root: str | Path, remote: str | None = None) -> Iterator[list[str]]:
+    """Hold the project directory's slot, and the DVC remote's when there is one, for the block (waiting for
+    them); yields the limits' names."""
+    names = [limit_name(root)] + ([remote_limit_name(remote)] if remote else [])
+    for name in names:
+        ensure_limit(name)
+    with concurrency(names, occupy=1, strict=True, lease_duration=LEASE_S):
+        yield names

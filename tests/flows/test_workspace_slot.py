@@ -9,19 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flows.workspace_slot import limit_name
+from flows.workspace_slot import limit_name, remote_limit_name
 from tests.servers import prefect_server
 
 REPO = Path(__file__).resolve().parents[2]
 HOLD = ("import json, sys, time; from flows.workspace_slot import workspace_slot\n"
-        "with workspace_slot(sys.argv[1]) as name:\n"
-        "    t0 = time.time(); time.sleep(4); print(json.dumps({'name': name, 'in': t0, 'out': time.time()}))\n")
+        "with workspace_slot(sys.argv[1], sys.argv[2] or None) as names:\n"
+        "    t0 = time.time(); time.sleep(4); print(json.dumps({'names': names, 'in': t0, 'out': time.time()}))\n")
 
 
-def _holders(api: str, server_env: dict, roots: list[Path]) -> list[dict]:
+def _holders(api: str, server_env: dict, roots: list[Path], remotes: list[str] | None = None) -> list[dict]:
     env = {**os.environ, **server_env, "PREFECT_API_URL": api, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", HOLD, str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in roots]
+    remotes = remotes or [""] * len(roots)
+    procs = [subprocess.Popen([sys.executable, "-c", HOLD, str(r), remote], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r, remote in zip(roots, remotes, strict=True)]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=180)
@@ -41,7 +42,7 @@ def test_runs_on_one_workspace_take_turns_and_other_workspaces_do_not_wait(tmp_p
     assert limit_name(one) == limit_name(one / ".." / "one") != limit_name(other)  # the resolved directory
     with prefect_server(tmp_path) as (api, server_env):
         a, b, c = _holders(api, server_env, [one, one, other])
-        assert a["name"] == b["name"] == limit_name(one) != c["name"]
+        assert a["names"] == b["names"] == [limit_name(one)] != c["names"]
         assert not _overlap(a, b), (a, b)  # the second waited for the first's slot
         assert _overlap(a, c) or _overlap(b, c), (a, b, c)  # another workspace did not wait
 
@@ -55,3 +56,8 @@ def test_runs_on_one_workspace_take_turns_and_other_workspaces_do_not_wait(tmp_p
             client.update_global_concurrency_limit(limit_name(one), GlobalConcurrencyLimitUpdate(limit=2))  # by hand
         a, b = _holders(api, server_env, [one, one])
         assert _overlap(a, b), (a, b)  # left as the operator set it, not recreated
+        a, b, c = _holders(api, server_env, [one, other, tmp_path], ["s3://ml/rlhf", "s3://ml/rlhf/", "s3://ml/x"])
+        assert a["names"] == [limit_name(one), remote_limit_name("s3://ml/rlhf")] and \
+            b["names"][1] == remote_limit_name("s3://ml/rlhf")
+        assert not _overlap(a, b), (a, b)  # two workspaces on one remote took turns
+        assert _overlap(a, c) or _overlap(b, c), (a, b, c)  # another remote did not wait
