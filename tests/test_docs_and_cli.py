@@ -111,3 +111,10 @@ def test_the_cli_freezes_the_heap_on_the_way_out_with_the_command_s_exit():
             assert gc.get_freeze_count() >= len(keep)
     finally:
         gc.unfreeze()
+
+
+def test_no_code_lives_under_docs():
+    """docs/ holds pages and raw rows; a measurement worth repeating is a benchmark with a smoke test."""
+    code = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*")
+                  if p.suffix in {".py", ".sh", ".patch", ".ipynb"})
+    assert not code, f"code under docs/: {code}"
