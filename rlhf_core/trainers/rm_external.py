@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rlhf_core.config import Params
 from rlhf_core.engine import distributed as D
+from rlhf_core.model_source import ModelSourceError, check_hub, locate
 from rlhf_core.models.reward_format import RewardModelFormatError
 from rlhf_core.models.scorer import RewardScorer
 from rlhf_core.ops import paths
@@ -30,7 +31,9 @@ PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
 
 def external_source(params: Params, root: Path) -> str:
-    """``rm.external`` as a path (relative to ``root``) when it is a local folder, else as the Hub id given."""
+    """``rm.external`` as a path (relative to ``root``) when it is a local folder, else as the Hub id given, checked
+    as ``model.name_or_path`` is (:func:`~rlhf_core.model_source.check_hub`: a Hub id offline and not cached is one
+    line naming the key, not a minute of ``from_pretrained`` retries)."""
     spec = params.rm.external
     path = Path(spec).expanduser()
     path = path if path.is_absolute() else root / path
@@ -38,6 +41,14 @@ def external_source(params: Params, root: Path) -> str:
         if not path.is_dir():
             raise TrainingInputError(f"rm.external: {spec}: no such folder (a reward model folder or a Hub id)")
         return str(path.resolve())
+    try:
+        source = locate(spec, key="rm.external")
+        check_hub(source)
+    except ModelSourceError as err:
+        raise TrainingInputError(str(err)) from None
+    if source.kind != "hub":  # a GGUF file or a pkg: source holds a causal LM
+        raise TrainingInputError(f"rm.external {spec}: a GGUF file holds a causal LM, not a reward model; name a "
+                                 "sequence-classification folder or Hub id")
     return spec
 
 

