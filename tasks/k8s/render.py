@@ -234,6 +234,10 @@ def render_stage_job(opts: StageJobOptions) -> dict:
             # Preemption, eviction, node drain: retry without counting against backoffLimit; the new pod
             # resumes from checkpoints/ on the workspace volume.
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            # Exit 75: stopped on SIGTERM after a checkpoint (a sibling rank's stop, a kubelet's SIGTERM without
+            # the condition): a resumable stop, not a failure; the new pod resumes, backoffLimit untouched.
+            {"action": "Ignore", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                                 "values": [exit_codes.STOPPED]}},
         ]},
     }
     if nnodes > 1:

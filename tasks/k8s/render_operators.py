@@ -93,7 +93,8 @@ def render_jobset(opts: StageJobOptions) -> dict:
       instead of the survivors hanging in NCCL until the deadline.
     * The child Job's pod failure policy stays the stage Job's: a permanent exit (bad params or input,
       rule 0) fails the JobSet at once (``FailJobSet``); a disruption (preemption, eviction, node drain: rule 1)
-      fails the child Job too, so the whole group restarts, not counted against ``maxRestarts``. The rules
+      fails the child Job too, as does a rank's exit 75 (stopped on SIGTERM, checkpointed: rule 2), so the whole
+      group restarts, not counted against ``maxRestarts``. The rules
       match the Job controller's failure message ``... matching FailJob rule at index N``.
     * Rendezvous: JobSet publishes the pods under a headless Service named after it; rank 0 is
       ``<name>-node-0-0.<name>``.
@@ -114,7 +115,8 @@ def render_jobset(opts: StageJobOptions) -> dict:
     spec = job["spec"]
     spec["backoffLimit"] = 0
     rules = spec["podFailurePolicy"]["rules"]
-    rules[1] = {**rules[1], "action": "FailJob"}  # a disrupted pod restarts the group, not itself alone
+    for i in (1, 2):  # a disrupted pod or a rank stopped on SIGTERM (exit 75) restarts the group, not itself
+        rules[i] = {**rules[i], "action": "FailJob"}
     spec.pop("ttlSecondsAfterFinished", None)  # the JobSet's TTL removes its Jobs
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
@@ -126,7 +128,8 @@ def render_jobset(opts: StageJobOptions) -> dict:
                  "onJobFailureMessagePatterns": ["matching FailJob rule at index 0"]},
                 {"name": "disruption", "action": "RestartJobSetAndIgnoreMaxRestarts",
                  "onJobFailureReasons": ["PodFailurePolicy"],
-                 "onJobFailureMessagePatterns": ["matching FailJob rule at index 1"]},
+                 "onJobFailureMessagePatterns": ["matching FailJob rule at index 1",
+                                                 "matching FailJob rule at index 2"]},
             ]},
             "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
             "replicatedJobs": [{"name": JOBSET_NODES, "replicas": 1,

@@ -266,11 +266,12 @@ def test_render_jobset_validates_against_the_published_crd(stage):
     validate_jobset(doc)
     job = doc["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["backoffLimit"] == 0 and job["completions"] == job["parallelism"] == 3  # a failed pod fails the Job
-    assert [r["action"] for r in job["podFailurePolicy"]["rules"]] == ["FailJob", "FailJob"]
+    assert [r["action"] for r in job["podFailurePolicy"]["rules"]] == ["FailJob", "FailJob", "FailJob"]
     rules = doc["spec"]["failurePolicy"]["rules"]
     assert [(r["action"], r["onJobFailureMessagePatterns"]) for r in rules] == [
         ("FailJobSet", ["matching FailJob rule at index 0"]),  # exit 2 / 65: permanent
-        ("RestartJobSetAndIgnoreMaxRestarts", ["matching FailJob rule at index 1"])]  # preemption
+        ("RestartJobSetAndIgnoreMaxRestarts", ["matching FailJob rule at index 1",  # preemption
+                                               "matching FailJob rule at index 2"])]  # a rank's exit 75
     pod = job["template"]["spec"]
     name = doc["metadata"]["name"]
     cmd = pod["containers"][0]["command"]
@@ -785,6 +786,8 @@ def test_job_lifecycle_fields(overlay):
         if doc["kind"] == "Job":
             rules = doc["spec"]["podFailurePolicy"]["rules"]
             assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+            assert {"action": "Ignore", "onExitCodes": {"containerName": names.CONTAINER, "operator": "In",
+                                                        "values": [75]}} in rules  # resumable, not a failure
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
