@@ -280,14 +280,19 @@ def k8s_render(
     nproc_per_node: int = typer.Option(None, help="Processes per node (default: gpus)."),
     image: str = typer.Option(None, help="Image (default: the pinned GPU image)."),
     namespace: str = typer.Option("rlhf", help="Namespace."),
+    queue: str = typer.Option(None, help="Kueue LocalQueue (the kueue.x-k8s.io/queue-name label)."),
+    priority_class: str = typer.Option(None, help="The pods' priorityClassName."),
+    dvc_remote: str = typer.Option(None, help="Run the stage under DVC against this remote (`rlhf repro`), as the "
+                                              "flow does with k8s.dvc_remote."),
 ) -> None:
     """Print the manifest that runs one stage (the same the kubernetes backend submits).
 
-    Example: rlhf k8s render sft --gpus 8 | kubectl apply -f -
+    Example: rlhf k8s render sft --gpus 8 --queue team-a | kubectl apply -f -
     """
     from tasks.k8s.render_operators import main_render
 
-    kw = {k: v for k, v in {"gpus": gpus, "nproc_per_node": nproc_per_node, "image": image}.items() if v is not None}
+    kw = {k: v for k, v in {"gpus": gpus, "nproc_per_node": nproc_per_node, "image": image, "queue": queue,
+                            "priority_class": priority_class, "dvc_remote": dvc_remote}.items() if v is not None}
     if kind == "job" or nnodes != 1:
         kw["nnodes"] = nnodes
     try:

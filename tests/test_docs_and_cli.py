@@ -77,6 +77,22 @@ def test_k8s_render_cli_prints_the_submitted_manifest(tmp_path):
     assert [d["kind"] for d in docs] == ["Service", "Job"]
     proc = _rlhf("k8s", "render", "nope", cwd=tmp_path)
     assert proc.returncode == 2 and "nope" in proc.stderr
+    shaped = {"queue": "team-a", "priority_class": "training-low", "dvc_remote": "s3://ml/rlhf"}
+    for cli in (("k8s", "render"), ("-m", "tasks.k8s", "render")):  # `rlhf k8s render` and `python -m tasks.k8s`
+        args = [*cli, "rm", "--queue", "team-a", "--priority-class", "training-low", "--dvc-remote", "s3://ml/rlhf"]
+        proc = _rlhf(*args, cwd=tmp_path) if cli[0] == "k8s" else subprocess.run(
+            [sys.executable, *args], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert list(yaml.safe_load_all(proc.stdout)) == render_stage_resources(StageJobOptions("rm", **shaped))
+        assert "rlhf repro rm --remote s3://ml/rlhf" in " ".join(map(str, _flat(yaml.safe_load(proc.stdout))))
+
+
+def _flat(doc):
+    if isinstance(doc, dict):
+        return [x for v in doc.values() for x in _flat(v)]
+    if isinstance(doc, list):
+        return [x for v in doc for x in _flat(v)]
+    return [doc]
 
 
 def test_generated_k8s_files_are_current():

@@ -25,6 +25,9 @@ def _main(argv: list[str] | None = None) -> int:
     r.add_argument("--nproc-per-node", type=int)
     r.add_argument("--image", default=DEFAULT_GPU_IMAGE)
     r.add_argument("--namespace", default=NAMESPACE)
+    r.add_argument("--queue", help="Kueue LocalQueue (the kueue.x-k8s.io/queue-name label)")
+    r.add_argument("--priority-class", help="the pods' priorityClassName")
+    r.add_argument("--dvc-remote", help="run the stage under DVC against this remote, as the flow does")
     r.add_argument("--kind", choices=RENDER_KINDS, default="job",
                    help="job (batch/v1; Indexed + headless Service when nnodes > 1), jobset (JobSet, gang restart), "
                         "pytorchjob (Kubeflow Training Operator v1), trainjob (Kubeflow Trainer v2, "
@@ -32,8 +35,10 @@ def _main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "render":
         try:
+            extra = {k: v for k, v in {"queue": args.queue, "priority_class": args.priority_class,
+                                       "dvc_remote": args.dvc_remote}.items() if v is not None}
             text = main_render(args.stage, kind=args.kind, gpus=args.gpus, nnodes=args.nnodes,
-                               nproc_per_node=args.nproc_per_node, image=args.image, namespace=args.namespace)
+                               nproc_per_node=args.nproc_per_node, image=args.image, namespace=args.namespace, **extra)
         except ValueError as err:
             r.error(str(err))
         sys.stdout.write(text)
