@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,10 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen, log: Path) -> 
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status < 500:
                     return
+        except urllib.error.HTTPError as err:  # e.g. 401 from a server behind its auth string: it is up
+            if err.code < 500:
+                return
+            time.sleep(0.5)
         except OSError:
             time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer in {timeout_s}s:\n{log.read_text()[-3000:]}")
@@ -81,12 +86,13 @@ def mlflow_server(tmp: Path, auth: dict[str, str] | None = None):
 
 
 @contextmanager
-def prefect_server(tmp: Path):
-    """A real ``prefect server start`` with its own PREFECT_HOME; yields its API URL."""
+def prefect_server(tmp: Path, extra_env: dict | None = None):
+    """A real ``prefect server start`` with its own PREFECT_HOME (and ``extra_env``, e.g. its auth string);
+    yields its API URL and the environment it runs with."""
     port = free_port()
     log = tmp / "prefect-server.log"
     env = {"PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_ENABLED": "false", "DO_NOT_TRACK": "1"}
+           "PREFECT_UI_ENABLED": "false", "DO_NOT_TRACK": "1", **(extra_env or {})}
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     with background(cmd, log, env=env) as proc:
         api = f"http://127.0.0.1:{port}/api"

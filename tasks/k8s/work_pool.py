@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 from tasks.k8s.names import (
+    CREDENTIALS_SECRET,
     DEFAULT_CPU_IMAGE,
     FLOW_JOB_ENV,
     FLOW_RUN_POD_LABELS,
@@ -76,8 +77,11 @@ def build_work_pool_template(default_template: dict | None = None) -> dict:
     container["workingDir"] = WORKSPACE_DIR
     # A hard-coded env list: the worker prepends its own variables (the `env` job variable) to it.
     # RLHF_IMAGE: the flow-run pod's own image, for the lineage tags of the versions it registers (ops/meta.py)
+    # PREFECT_API_AUTH_STRING: a Prefect server behind its auth string (docs/kubernetes.md) is reached with it
     container["env"] = [{"name": "RLHF_IMAGE", "value": "{{ image }}"}] + [
         e for e in stage_env(None) if e["name"] != "PREFECT_API_URL"] + [
+        {"name": "PREFECT_API_AUTH_STRING", "valueFrom": {"secretKeyRef": {
+            "name": CREDENTIALS_SECRET, "key": "PREFECT_API_AUTH_STRING", "optional": True}}}] + [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in FLOW_JOB_ENV.items()]
     container["resources"]["requests"][GPU_RESOURCE] = "{{ gpu_count }}"
     container["resources"]["limits"][GPU_RESOURCE] = "{{ gpu_count }}"
