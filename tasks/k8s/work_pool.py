@@ -19,7 +19,7 @@ from tasks.k8s.names import (
     WORKSPACE_DIR,
     WORKSPACE_PVC,
 )
-from tasks.k8s.render import security_context_container, security_context_pod, seed_params_command, stage_env
+from tasks.k8s.render import security_context_container, security_context_pod, stage_env
 
 WORK_POOL_VARIABLES: dict[str, dict] = {
     "gpu_count": {
@@ -86,17 +86,13 @@ def build_work_pool_template(default_template: dict | None = None) -> dict:
     container["resources"]["requests"][GPU_RESOURCE] = "{{ gpu_count }}"
     container["resources"]["limits"][GPU_RESOURCE] = "{{ gpu_count }}"
     container["securityContext"] = security_context_container()
+    # The params ConfigMap read-only, not copied onto the workspace by an init container: that overwrote
+    # /workspace/params.yaml before the flow took the workspace's slot, under a run still using it. The
+    # deployment's params_file (prefect.yaml: /etc/rlhf/params.yaml) names the mounted file; the flow writes
+    # it over params.yaml once it holds the slot (flows/params_file.py:use_profile).
     container["volumeMounts"] = [{"name": "workspace", "mountPath": WORKSPACE_DIR},
-                                 {"name": "dshm", "mountPath": "/dev/shm"}]
-    pod["initContainers"] = [{
-        "name": "seed-params",
-        "image": "{{ image }}",
-        "imagePullPolicy": "{{ image_pull_policy }}",
-        "command": seed_params_command(),
-        "securityContext": security_context_container(),
-        "volumeMounts": [{"name": "workspace", "mountPath": WORKSPACE_DIR},
-                         {"name": "params", "mountPath": PARAMS_MOUNT_DIR, "readOnly": True}],
-    }]
+                                 {"name": "dshm", "mountPath": "/dev/shm"},
+                                 {"name": "params", "mountPath": PARAMS_MOUNT_DIR, "readOnly": True}]
     pod["securityContext"] = security_context_pod()
     pod["nodeSelector"] = "{{ node_selector }}"
     pod["tolerations"] = "{{ tolerations }}"

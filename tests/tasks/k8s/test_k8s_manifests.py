@@ -954,6 +954,33 @@ def test_every_work_pool_variable_is_used():
     assert set(work_pool.WORK_POOL_VARIABLES) <= manifest_used
 
 
+def test_the_flow_run_pod_reads_its_params_only_after_taking_the_workspace_slot(tmp_path):
+    """No init container copies the params ConfigMap over /workspace/params.yaml before the flow holds the
+    workspace's slot (an earlier run on that workspace may still be reading it): the ConfigMap is mounted
+    read-only, the Kubernetes deployment names the mounted file as its params_file, and the flow writes it over
+    params.yaml inside the slot (flows.pipeline: workspace_slot, then use_profile)."""
+    import inspect
+
+    import flows.pipeline
+    from flows.params_file import use_profile
+
+    pod = _render_work_pool(SAMPLE_VALUES)["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert {"name": "params", "mountPath": names.PARAMS_MOUNT_DIR, "readOnly": True} in \
+        pod["containers"][0]["volumeMounts"]
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    (k8s,) = [d for d in deployments if d["parameters"].get("backend") == "kubernetes"]
+    assert k8s["parameters"]["params_file"] == f"{names.PARAMS_MOUNT_DIR}/params.yaml"
+    flow_src = inspect.getsource(flows.pipeline.rlhf_pipeline) + inspect.getsource(flows.pipeline._pipeline)
+    assert flow_src.index("workspace_slot(") < flow_src.index("use_profile(")
+    mounted = tmp_path / "etc" / "params.yaml"  # an absolute params_file outside the workspace
+    mounted.parent.mkdir()
+    mounted.write_text("sft: {epochs: 3}\n")
+    (tmp_path / "ws").mkdir()
+    assert use_profile(tmp_path / "ws", mounted)
+    assert yaml.safe_load((tmp_path / "ws" / "params.yaml").read_text())["sft"]["epochs"] == 3
+
+
 def test_work_pool_variables_land_in_the_manifest():
     manifest = _render_work_pool(SAMPLE_VALUES)
     for var, where in LANDING.items():
@@ -963,7 +990,7 @@ def test_work_pool_variables_land_in_the_manifest():
         assert default != SAMPLE_VALUES[var], f"sample for {var} equals the default: the check would prove nothing"
     pod = manifest["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert c["image"] == SAMPLE_VALUES["image"] and pod["initContainers"][0]["image"] == SAMPLE_VALUES["image"]
+    assert c["image"] == SAMPLE_VALUES["image"]
     assert c["resources"]["requests"]["cpu"] == "16" and c["resources"]["limits"]["memory"] == "200Gi"
     assert {"name": "RLHF_EXAMPLE", "value": "1"} in c["env"]
     assert c["command"] == ["/usr/bin/env"] and c["args"][:2] == ["prefect", "flow-run"]
