@@ -234,14 +234,26 @@ def rollback_cmd(
 
 @app.command("deploy")
 def deploy_cmd(
-    name: list[str] = typer.Option([], "--name", help="Deployment name(s) from prefect.yaml; default all."),
+    name: list[str] = typer.Option([], "--name", help="Deployment name(s) from prefect.yaml; default: every "
+                                                      "deployment whose work pool exists on the server."),
 ) -> None:
-    """Create the deployments in prefect.yaml (`prefect deploy --all`) against PREFECT_API_URL.
+    """Create the deployments in prefect.yaml (`prefect deploy`) against PREFECT_API_URL.
 
-    Example: PREFECT_API_URL=http://127.0.0.1:4200/api rlhf deploy --name rlhf-nightly
+    Without --name, those whose work pool exists (flows/deploy.py); the others are named with the command that
+    creates their pool. Example: PREFECT_API_URL=http://127.0.0.1:4200/api rlhf deploy --name rlhf-nightly
     """
-    args = [a for n in name for a in ("--name", n)] or ["--all"]
+    from flows.deploy import create_command, deployment_pools, server_pools, split_by_pool
+
+    if not name:
+        ready, skipped = split_by_pool(deployment_pools(Path("prefect.yaml")), server_pools())
+        for dep, pool in skipped.items():
+            console.print(f"skipped {dep}: work pool {pool!r} does not exist ({create_command(pool)})",
+                          highlight=False)
+        if not ready:
+            fail("no deployment's work pool exists on this Prefect server; create one first")
+        name = ready
     env = {**os.environ, "RLHF_PROJECT_DIR": os.environ.get("RLHF_PROJECT_DIR", str(Path.cwd()))}
+    args = [a for n in name for a in ("--name", n)]
     proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", *args], env=env)
     raise typer.Exit(proc.returncode)
 

@@ -586,7 +586,10 @@ def test_prefect_yaml_deployment_parameters_validate_against_the_flow():
         if params.get("backend") == "kubernetes":
             options = stage_job_options(list(STAGE_NAMES), params.get("k8s"), params.get("k8s_stages"), "r")
             rlhf_job = render_stage_job(StageJobOptions.from_dict("rlhf", options["rlhf"]))
-            assert rlhf_job["spec"]["completions"] == 2 and rlhf_job["metadata"]["labels"][names.KUEUE_QUEUE_LABEL]
+            assert rlhf_job["spec"]["completions"] == 2
+            # nothing the project does not create: a missing PriorityClass or LocalQueue stops the Job silently
+            assert names.KUEUE_QUEUE_LABEL not in rlhf_job["metadata"]["labels"]
+            assert "priorityClassName" not in rlhf_job["spec"]["template"]["spec"]
     bad = {**deployments[-1]["parameters"], "k8s": {"gpu": 8}}
     with pytest.raises(Exception, match="gpu"):
         rlhf_pipeline.validate_parameters(bad)
