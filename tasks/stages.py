@@ -58,7 +58,9 @@ def kubernetes_stage(stage: str, root: Path, env: dict[str, str] | None, k8s: di
         if reports_run(stage, line):
             seen.append(True)
 
-    submit_stage_job(stage, env=env, log=log, **k8s)
+    settings = dict(k8s)
+    merged = {**(settings.pop("env", None) or {}), **(env or {})}  # the user's env, the flow's own keys over it
+    submit_stage_job(stage, env=merged or None, log=log, **settings)
     remote = k8s.get("dvc_remote")
     if not remote:
         return "ran"

@@ -147,8 +147,9 @@ class StageJobOptions:
         return self.active_deadline_s or STAGE_DEADLINE_S[self.stage]
 
 
-# What a flow run or a deployment may set (the flow names each Job and sets its env and params itself).
-_FLOW_SET = ("stage", "name", "env", "seed_params", "params_path")
+# What a flow run or a deployment may not set: the flow names each Job and sets its params itself. ``env`` may be
+# set (NCCL_*, proxies, ...): the flow's own variables (tracking, lineage) are added over it (tasks/stages.py).
+_FLOW_SET = ("stage", "name", "seed_params", "params_path")
 
 
 def _settings_model() -> type[BaseModel]:

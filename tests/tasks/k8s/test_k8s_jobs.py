@@ -184,6 +184,26 @@ def test_submit_posts_the_rendered_job_and_streams_logs():
     assert result["pods"] == ["rlhf-sft-t1-abcde"] and result["namespace"] == NS
 
 
+def test_env_from_the_flow_parameter_reaches_the_pod_under_the_flows_own_variables(tmp_path):
+    """``k8s.env`` (e.g. NCCL_* for the fabric) is a flow parameter now; the flow's own variables (tracking,
+    parent run) are set over it, so a user value cannot point the stage at another MLflow."""
+    from flows.pipeline import stage_job_options
+    from tasks.stages import kubernetes_stage
+
+    options = stage_job_options(["sft"], {"env": {"NCCL_SOCKET_IFNAME": "eth0", "MLFLOW_TRACKING_URI": "wrong"}},
+                                None, None)
+    assert options["sft"]["env"]["NCCL_SOCKET_IFNAME"] == "eth0"
+    cluster = FakeCluster(job_states=[COMPLETE], pods=[pod("rlhf-sft-t9-abcde")], logs=["done\n"])
+    batch, core = apis(cluster)
+    flow_env = {"MLFLOW_TRACKING_URI": "http://mlflow.flow:5000", "RLHF_PARENT_RUN_ID": "run-9"}
+    assert kubernetes_stage("sft", tmp_path, flow_env, {**options["sft"], "name": "rlhf-sft-t9", "batch_api": batch,
+                                                        "core_api": core, "poll_s": 0}, lambda _line: None) == "ran"
+    (post,) = [r for r in cluster.requests if r.method == "POST"]
+    env = {e["name"]: e.get("value") for e in post.body["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["MLFLOW_TRACKING_URI"] == "http://mlflow.flow:5000"
+    assert env["RLHF_PARENT_RUN_ID"] == "run-9"
+
+
 def test_submit_multi_node_creates_headless_service_owned_by_the_job():
     cluster = FakeCluster(job_states=[COMPLETE], pods=[pod("rlhf-rm-t2-1-x", index="1"),
                                                         pod("rlhf-rm-t2-0-y", index="0")],
