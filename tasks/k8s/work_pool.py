@@ -47,6 +47,10 @@ WORK_POOL_VARIABLES: dict[str, dict] = {
 }
 
 
+FLOW_RUN_CPU_REQUEST = "1"
+FLOW_RUN_MEMORY_REQUEST = "4Gi"
+
+
 def build_work_pool_template(default_template: dict | None = None) -> dict:
     """prefect-kubernetes' default base job template plus GPU, scheduling, /dev/shm and workspace variables.
 
@@ -66,6 +70,10 @@ def build_work_pool_template(default_template: dict | None = None) -> dict:
     props["image"]["default"] = DEFAULT_CPU_IMAGE
     props["service_account_name"]["default"] = FLOW_SERVICE_ACCOUNT
     props["finished_job_ttl"]["default"] = TTL_AFTER_FINISHED_S
+    # Requests, so the flow-run pod is not BestEffort (the first evicted under node pressure); no limits: the
+    # registration step loads the trained models in this pod, whose size the template cannot know.
+    props["cpu_request"]["default"] = FLOW_RUN_CPU_REQUEST
+    props["memory_request"]["default"] = FLOW_RUN_MEMORY_REQUEST
 
     manifest = template["job_configuration"]["job_manifest"]
     # the label the MLflow NetworkPolicy admits (flow runs register models)

@@ -931,6 +931,14 @@ def _render_work_pool(values: dict) -> dict:
     return config.job_manifest
 
 
+def test_the_flow_run_pod_requests_cpu_and_memory_by_default():
+    """Not BestEffort (first evicted): requests by default, no limits (registration loads the models)."""
+    c = _render_work_pool({})["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["requests"]["cpu"] == work_pool.FLOW_RUN_CPU_REQUEST == "1"
+    assert c["resources"]["requests"]["memory"] == work_pool.FLOW_RUN_MEMORY_REQUEST == "4Gi"
+    assert "cpu" not in c["resources"].get("limits", {}) and "memory" not in c["resources"].get("limits", {})
+
+
 def test_work_pool_template_extends_prefect_default():
     pytest.importorskip("prefect_kubernetes")
     from prefect_kubernetes.worker import KubernetesWorker
