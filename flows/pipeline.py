@@ -145,12 +145,12 @@ def rlhf_pipeline(
     with workspace_slot(root, remote) as slots:
         get_run_logger().info(f"holding the concurrency slots {', '.join(slots)}")
         return _pipeline(stages, overrides, backend, promote, force, root, params_file, retries, retry_delay_s, k8s,
-                         k8s_stages)
+                         k8s_stages, remote)
 
 
 def _pipeline(stages: list[str] | None, overrides: list[str] | None, backend: str, promote: bool, force: bool,
               root: str, params_file: str, retries: int, retry_delay_s: float, k8s: StageJobSettings | None,
-              k8s_stages: dict[str, StageJobSettings] | None) -> dict:
+              k8s_stages: dict[str, StageJobSettings] | None, remote: str | None) -> dict:
     import mlflow
 
     logger = get_run_logger()
@@ -171,7 +171,6 @@ def _pipeline(stages: list[str] | None, overrides: list[str] | None, backend: st
         raise ValueError("k8s / k8s_stages set Kubernetes stage Jobs; they need backend='kubernetes'")
     job_options = stage_job_options(wanted, k8s, k8s_stages, flow_run.get_id(), params.feedback.round) \
         if backend == "kubernetes" else {}
-    remote = pipeline_dvc_remote(k8s, k8s_stages) if backend == "kubernetes" else None
     if remote:  # the stage pods run `rlhf repro` with the params the flow publishes to the remote's state
         publish_params(root_path, remote)
         logger.info(f"stages run under DVC against {remote}; params published")
